@@ -1,0 +1,31 @@
+// The one binding file of Mesa's extension: CPU ops always, CUDA ops when built with MESA_WITH_CUDA.
+#include <torch/extension.h>
+
+#include "quant_api.h"
+
+namespace {
+at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code); }
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Mesa: packed low-bit activation storage (quantize / dequantize / per-group min-max)";
+  m.def("quantize_cpu", &mesa::quantize_cpu, "quantize a contiguous CPU tensor to packed codes");
+  m.def("dequantize_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
+                             int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
+    return mesa::dequantize_cpu(p, st, sh, bits, groups, inner, numel,
+                                torch::python::detail::py_object_to_dtype(dtype));
+  });
+  m.def("group_minmax_cpu", &mesa::group_minmax_cpu, "per-group (min, max) as a (2, G) float tensor");
+#ifdef MESA_WITH_CUDA
+  m.attr("with_cuda") = true;
+  m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");
+  m.def("dequantize_cuda", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
+                              int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
+    return mesa::dequantize_cuda(p, st, sh, bits, groups, inner, numel,
+                                 torch::python::detail::py_object_to_dtype(dtype));
+  });
+  m.def("group_minmax_cuda", &mesa::group_minmax_cuda, "per-group (min, max) as a (2, G) float tensor");
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

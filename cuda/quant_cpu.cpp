@@ -1,0 +1,203 @@
+// CPU kernels of Mesa's quantizer, built on the per-element math in quant_math.h.
+// Parallel over tiles of elements with at::parallel_for; inside a tile, runs of one group are
+// processed with constant scale/shift so the compiler can vectorise the loop.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "quant_math.h"
+#include "quant_api.h"
+
+namespace mesa {
+namespace {
+
+constexpr int64_t kTile = 4096;  // elements per tile; a multiple of 8 so tiles pack to whole bytes
+
+// Calls f(begin, end, group) for the maximal runs of [begin, end) that lie in one group.
+template <typename F>
+inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t groups, F&& f) {
+  int64_t e = begin;
+  int64_t g = group_of(e, inner, groups);
+  int64_t pos = e % inner;
+  while (e < end) {
+    const int64_t stop = std::min(end, e + (inner - pos));
+    f(e, stop, g);
+    e = stop;
+    pos = 0;
+    g = (g + 1 == groups) ? 0 : g + 1;
+  }
+}
+
+template <typename scalar_t>
+void quantize_tile(const scalar_t* x, uint8_t* codes, int64_t begin, int64_t end, const float* inv,
+                   const float* shift, int64_t inner, int64_t groups, int bits, uint64_t seed,
+                   bool stochastic) {
+  const float maxq = static_cast<float>((1u << bits) - 1u);
+  for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
+    const float iv = inv[g];
+    const float sh = shift[g];
+    uint8_t* out = codes + (s - begin);
+    if (bits == 1) {
+      for (int64_t e = s; e < t; ++e) out[e - s] = static_cast<uint8_t>(mask_one(static_cast<float>(x[e])));
+    } else if (stochastic) {
+      for (int64_t e = s; e < t; ++e)
+        out[e - s] = static_cast<uint8_t>(
+            quantize_one(static_cast<float>(x[e]), iv, sh, uniform(seed, e), maxq));
+    } else {
+      for (int64_t e = s; e < t; ++e)
+        out[e - s] = static_cast<uint8_t>(quantize_one(static_cast<float>(x[e]), iv, sh, 0.5f, maxq));
+    }
+  });
+}
+
+// Packs n codes of `bits` bits (low bits first) into ceil(n * bits / 8) bytes.
+inline void pack_codes(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+  const int per = 8 / bits;
+  const int64_t nbytes = (n + per - 1) / per;
+  for (int64_t k = 0; k < nbytes; ++k) {
+    uint32_t byte = 0;
+    const int64_t base = k * per;
+    const int cnt = static_cast<int>(std::min<int64_t>(per, n - base));
+    for (int j = 0; j < cnt; ++j) byte |= static_cast<uint32_t>(codes[base + j]) << (j * bits);
+    out[k] = static_cast<uint8_t>(byte);
+  }
+}
+
+inline void unpack_codes(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
+  const int per = 8 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int64_t e = 0; e < n; ++e)
+    codes[e] = static_cast<uint8_t>((in[e / per] >> ((e % per) * bits)) & mask);
+}
+
+}  // namespace
+
+at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
+                        int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic) {
+  check_quantize_args(x, inv, shift, bits, groups, inner);
+  TORCH_CHECK(x.device().is_cpu(), "mesa quantize_cpu: x must be a CPU tensor");
+  const int64_t n = x.numel();
+  const int per = 8 / static_cast<int>(bits);
+  auto out = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
+  const float* iv = inv.data_ptr<float>();
+  const float* sh = shift.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const uint64_t useed = static_cast<uint64_t>(seed);
+  const int b = static_cast<int>(bits);
+  const int64_t ntiles = (n + kTile - 1) / kTile;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_quantize_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t begin = t * kTile;
+        const int64_t end = std::min(n, begin + kTile);
+        if (b == 8) {
+          quantize_tile(xp, o + begin, begin, end, iv, sh, inner, groups, b, useed, stochastic);
+        } else {
+          quantize_tile(xp, codes.data(), begin, end, iv, sh, inner, groups, b, useed, stochastic);
+          pack_codes(codes.data(), end - begin, b, o + begin / per);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
+                          int64_t bits, int64_t groups, int64_t inner, int64_t numel,
+                          at::ScalarType dtype) {
+  check_dequantize_args(packed, step, shift, bits, groups, inner, numel);
+  TORCH_CHECK(packed.device().is_cpu(), "mesa dequantize_cpu: packed must be a CPU tensor");
+  auto out = at::empty({numel}, packed.options().dtype(dtype));
+  const float* st = step.data_ptr<float>();
+  const float* sh = shift.data_ptr<float>();
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  const int b = static_cast<int>(bits);
+  const int per = 8 / b;
+  const int64_t ntiles = (numel + kTile - 1) / kTile;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mesa_dequantize_cpu", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t begin = t * kTile;
+        const int64_t end = std::min(numel, begin + kTile);
+        const uint8_t* c = in + begin;
+        if (b != 8) {
+          unpack_codes(in + begin / per, end - begin, b, codes.data());
+          c = codes.data();
+        }
+        for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t e, int64_t g) {
+          const float stp = st[g];
+          const float sft = sh[g];
+          const uint8_t* cc = c + (s - begin);
+          for (int64_t i = s; i < e; ++i)
+            op[i] = static_cast<scalar_t>(dequantize_one(cc[i - s], stp, sft));
+        });
+      }
+    });
+  });
+  return out;
+}
+
+// Per-group min and max of x viewed as (outer, G, inner): a (2, G) float tensor. A group that
+// holds NaN or Inf gets NaN in both rows, so the caller detects it with one isfinite check.
+at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) {
+  TORCH_CHECK(x.device().is_cpu(), "mesa group_minmax_cpu: x must be a CPU tensor");
+  TORCH_CHECK(x.is_contiguous(), "mesa group_minmax: x must be contiguous");
+  TORCH_CHECK(groups > 0 && inner > 0 && x.numel() % (groups * inner) == 0,
+              "mesa group_minmax: numel ", x.numel(), " is not a multiple of groups*inner = ",
+              groups, "*", inner);
+  const int64_t segments = x.numel() / inner;  // outer * groups
+  const int nthreads = at::get_num_threads();
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> mins(static_cast<size_t>(nthreads) * groups, inf);
+  std::vector<float> maxs(static_cast<size_t>(nthreads) * groups, -inf);
+  std::vector<uint8_t> bad(static_cast<size_t>(nthreads) * groups, 0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_group_minmax_cpu", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, 32768 / inner);
+    at::parallel_for(0, segments, grain, [&](int64_t s0, int64_t s1) {
+      const size_t tid = static_cast<size_t>(at::get_thread_num());
+      float* mn = mins.data() + tid * groups;
+      float* mx = maxs.data() + tid * groups;
+      uint8_t* bd = bad.data() + tid * groups;
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t g = s % groups;
+        const scalar_t* p = xp + s * inner;
+        float lo = mn[g], hi = mx[g];
+        int nonfinite = 0;
+        for (int64_t i = 0; i < inner; ++i) {
+          const float v = static_cast<float>(p[i]);
+          lo = v < lo ? v : lo;
+          hi = v > hi ? v : hi;
+          nonfinite |= (v - v) != 0.0f ? 1 : 0;  // NaN and +-Inf give NaN
+        }
+        mn[g] = lo;
+        mx[g] = hi;
+        bd[g] |= static_cast<uint8_t>(nonfinite);
+      }
+    });
+  });
+  auto out = at::empty({2, groups}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (int64_t g = 0; g < groups; ++g) {
+    float lo = inf, hi = -inf;
+    bool b = false;
+    for (int t = 0; t < nthreads; ++t) {
+      lo = std::min(lo, mins[static_cast<size_t>(t) * groups + g]);
+      hi = std::max(hi, maxs[static_cast<size_t>(t) * groups + g]);
+      b = b || bad[static_cast<size_t>(t) * groups + g];
+    }
+    o[g] = b ? std::numeric_limits<float>::quiet_NaN() : lo;
+    o[groups + g] = b ? std::numeric_limits<float>::quiet_NaN() : hi;
+  }
+  return out;
+}
+
+}  // namespace mesa

@@ -1,0 +1,90 @@
+// Per-element math of Mesa's activation quantizer, shared by the CPU kernel (quant_cpu.cpp)
+// and the CUDA kernel (quant_cuda.cu). mesa_ops/reference.py implements the same functions in
+// plain PyTorch; tests assert that the kernels equal it bit for bit.
+//
+// Quantize (b bits, L = 2^b - 1, per group g: inv = L / range_g, shift_g = running min):
+//     v = (x - shift_g) * inv_g + u          u ~ U[0,1) (stochastic) or 0.5 (nearest)
+//     q = trunc(clamp(v, 0, L))              == floor for v >= 0; values outside the range clamp
+// Dequantize (step_g = range_g / L):
+//     x_hat = q * step_g + shift_g
+// bits == 1 is the ReLU mask: q = (x > 0), dequantized as q * step + shift with step 1, shift 0.
+//
+// Every float operation is a single IEEE-rounded op (no FMA contraction: the CUDA path uses the
+// _rn intrinsics, the CPU path is built with -ffp-contract=off), so CPU, CUDA and the PyTorch
+// reference give identical bits.
+//
+// Noise: a counter-based generator. For element index i (int64) and a 64-bit seed drawn from
+// torch's generator: h = H(H(lo32(i) ^ lo32(seed)) ^ hi32(i) ^ hi32(seed)), u = (h >> 8) * 2^-24,
+// where H is a 32-bit integer hash whose multipliers are below 2^31 (so the int64 reference
+// never overflows).
+#pragma once
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MESA_HD __host__ __device__ __forceinline__
+#else
+#define MESA_HD inline
+#endif
+
+namespace mesa {
+
+constexpr uint32_t kHashMul1 = 0x21f0aaadu;
+constexpr uint32_t kHashMul2 = 0x735a2d97u;
+
+MESA_HD uint32_t hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kHashMul1;
+  x ^= x >> 15;
+  x *= kHashMul2;
+  x ^= x >> 15;
+  return x;
+}
+
+// Uniform noise in [0, 1) with 24 random bits, exactly representable in fp32.
+MESA_HD float uniform(uint64_t seed, int64_t index) {
+  const uint64_t i = static_cast<uint64_t>(index);
+  uint32_t h = hash32(static_cast<uint32_t>(i) ^ static_cast<uint32_t>(seed));
+  h = hash32(h ^ static_cast<uint32_t>(i >> 32) ^ static_cast<uint32_t>(seed >> 32));
+  return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+}
+
+MESA_HD float fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+MESA_HD float fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+MESA_HD float fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// One element to its b-bit code. maxq = 2^b - 1 as float. `noise` is u or 0.5.
+MESA_HD uint32_t quantize_one(float x, float inv, float shift, float noise, float maxq) {
+  float v = fadd(fmul(fsub(x, shift), inv), noise);
+  v = v > 0.0f ? v : 0.0f;      // NaN -> 0 (NaN is rejected before quantizing by default)
+  v = v < maxq ? v : maxq;
+  return static_cast<uint32_t>(v);  // truncation == floor for v >= 0
+}
+
+MESA_HD uint32_t mask_one(float x) { return x > 0.0f ? 1u : 0u; }
+
+MESA_HD float dequantize_one(uint32_t q, float step, float shift) {
+  return fadd(fmul(static_cast<float>(q), step), shift);
+}
+
+// Element e of a tensor viewed as (outer, G, inner) belongs to group (e / inner) % G.
+MESA_HD int64_t group_of(int64_t e, int64_t inner, int64_t groups) { return (e / inner) % groups; }
+
+}  // namespace mesa

@@ -1,0 +1,17 @@
+"""mesa_ops: memory-saving training of Transformers by low-bit activation storage.
+
+``import mesa_ops as ms`` gives the original Mesa API (Pan et al., arXiv 2111.11124):
+``ms.Linear, ms.Conv2d, ms.LayerNorm, ms.GELU, ms.Softmax, ms.MatMul, ms.BatchNorm2d, ms.ReLU``
+and ``ms.policy`` (``convert_by_num_groups``, ``convert_by_group_size``, ``deploy_on_init``,
+``deploy_on_epoch``). Kernels in ``cuda/`` are JIT-built on first use, never at import.
+"""
+from . import backend, functional, memory, policy, reference
+from .layers import (MESA_LAYERS, BatchNorm2d, Conv2d, GELU, LayerNorm, Linear, MatMul, ReLU,
+                     Softmax)
+from .memory import SavedActivationMeter, saved_activation_bytes
+from .quant import QTensor, QuantMixin, Quantizer
+
+__all__ = ["Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
+           "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
+           "functional", "reference", "SavedActivationMeter", "saved_activation_bytes"]
+__version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""What autocast would do to an op, so Mesa's Functions compute exactly as the plain layer.
+
+Mesa's autograd Functions run with autocast disabled and cast explicitly to the dtype that
+autocast would have used; that dtype is read off the op itself on a tiny probe (cached), so the
+CPU and CUDA autocast lists need not be copied here.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+_PROBES = {
+    "linear": lambda x: F.linear(x, torch.ones(2, 2, dtype=torch.float32, device=x.device)),
+    "matmul": lambda x: torch.matmul(x, torch.ones(2, 2, dtype=torch.float32, device=x.device)),
+    "conv2d": lambda x: F.conv2d(x.view(1, 1, 2, 2), torch.ones(1, 1, 1, 1, device=x.device)),
+    "layer_norm": lambda x: F.layer_norm(x, (2,)),
+    "softmax": lambda x: F.softmax(x, dim=-1),
+    "gelu": lambda x: F.gelu(x),
+    "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+    "relu": lambda x: F.relu(x),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(op: str, device_type: str, amp_dtype: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:
+    x = torch.ones(2, 2, dtype=in_dtype, device=device_type)
+    with torch.no_grad(), torch.autocast(device_type, dtype=amp_dtype):
+        return _PROBES[op](x).dtype
+
+
+def compute_dtype(op: str, x: torch.Tensor) -> torch.dtype:
+    """The dtype ``op`` computes in for input ``x`` under the current autocast state."""
+    dev = x.device.type
+    if not x.is_floating_point() or not torch.is_autocast_enabled(dev):
+        return x.dtype
+    return _probe(op, dev, torch.get_autocast_dtype(dev), x.dtype)
+
+
+def no_autocast(x: torch.Tensor):
+    """Context that disables autocast on ``x``'s device (Functions cast by hand inside it)."""
+    return torch.autocast(x.device.type, enabled=False)

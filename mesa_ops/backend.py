@@ -1,0 +1,138 @@
+"""Backend choice per tensor and lazy JIT build of the kernels in ``cuda/``.
+
+CUDA tensor -> CUDA kernel, CPU tensor -> C++ kernel; ``MESA_BACKEND=torch|cpp|cuda`` forces one
+(``torch`` is the pure-PyTorch reference of :mod:`mesa_ops.reference`). Nothing is compiled at
+import: the first quantization builds the extension with ``torch.utils.cpp_extension.load``
+(ninja) and caches it. If the C++ build fails, one warning is issued and the reference is used.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import reference
+
+CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+BACKENDS = ("torch", "cpp", "cuda")
+_CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend that was asked for cannot be built or used here."""
+
+
+def _sources(with_cuda: bool) -> list[str]:
+    names = ["bindings.cpp", "quant_cpu.cpp"] + (["quant_cuda.cu"] if with_cuda else [])
+    return [str(CUDA_DIR / n) for n in names]
+
+
+def nvidia_include_dirs() -> list[str]:
+    """Header folders of the nvidia-* wheels (CUDA 13 puts cuda_runtime.h etc. under nvidia/cu13)."""
+    import site
+
+    roots = site.getsitepackages() + [site.getusersitepackages()]
+    found = []
+    for root in roots:
+        found += glob.glob(os.path.join(root, "nvidia", "cu*", "include"))
+        found += glob.glob(os.path.join(root, "nvidia", "*", "include"))
+    return sorted(set(found))
+
+
+def build_extension(with_cuda: bool, verbose: bool = False, build_directory: str | None = None):
+    """Compile (or load from the torch extensions cache) Mesa's extension and return the module."""
+    from torch.utils import cpp_extension
+
+    name = "mesa_ext_cuda" if with_cuda else "mesa_ext_cpu"
+    kwargs = dict(
+        name=name,
+        sources=_sources(with_cuda),
+        extra_cflags=_CXX_FLAGS + (["-DMESA_WITH_CUDA"] if with_cuda else []),
+        extra_include_paths=[str(CUDA_DIR)] + (nvidia_include_dirs() if with_cuda else []),
+        verbose=verbose,
+    )
+    if with_cuda:
+        kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false", "-DMESA_WITH_CUDA"]
+    if build_directory is not None:
+        os.makedirs(build_directory, exist_ok=True)
+        kwargs["build_directory"] = build_directory
+    return cpp_extension.load(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_extension():
+    """The C++ extension, or None (with one warning) when it cannot be built."""
+    try:
+        return build_extension(with_cuda=False)
+    except (RuntimeError, OSError, ImportError, FileNotFoundError) as exc:  # compiler/ninja missing
+        warnings.warn(f"mesa_ops: building the C++ kernels failed ({exc}); "
+                      "falling back to the pure-PyTorch reference (slower, same results).",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_extension():
+    try:
+        return build_extension(with_cuda=True)
+    except (RuntimeError, OSError, ImportError) as exc:
+        raise BackendUnavailable(f"mesa_ops: building the CUDA kernels failed: {exc}") from exc
+
+
+class _Reference:
+    name = "torch"
+    quantize = staticmethod(reference.quantize)
+    dequantize = staticmethod(reference.dequantize)
+    group_minmax = staticmethod(reference.group_minmax)
+
+
+class _Extension:
+    def __init__(self, ext, suffix: str):
+        self.name = suffix
+        self._q = getattr(ext, f"quantize_{suffix}")
+        self._d = getattr(ext, f"dequantize_{suffix}")
+        self._m = getattr(ext, f"group_minmax_{suffix}")
+
+    def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
+        return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
+
+    def dequantize(self, packed, step, shift, bits, groups, inner, numel, dtype):
+        return self._d(packed, step, shift, bits, groups, inner, numel, dtype)
+
+    def group_minmax(self, x, groups, inner):
+        return self._m(x, groups, inner)
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_backend(kind: str):
+    if kind == "cuda":
+        return _Extension(_cuda_extension(), "cuda")
+    ext = _cpu_extension()
+    return _Extension(ext, "cpu") if ext is not None else _Reference()
+
+
+def forced_backend() -> str | None:
+    name = os.environ.get("MESA_BACKEND", "").strip().lower()
+    if name and name not in BACKENDS:
+        raise ValueError(f"MESA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name or None
+
+
+def get_backend(t: torch.Tensor, name: str | None = None):
+    """The backend for tensor ``t``: ``name`` if given, else $MESA_BACKEND, else by device."""
+    name = name or forced_backend()
+    if name == "torch":
+        return _Reference()
+    if name is None:
+        name = "cuda" if t.is_cuda else "cpp"
+    if name == "cuda":
+        if not t.is_cuda:
+            raise BackendUnavailable(f"MESA_BACKEND=cuda but the tensor is on {t.device}")
+        return _extension_backend("cuda")
+    if t.is_cuda:
+        raise BackendUnavailable("MESA_BACKEND=cpp but the tensor is on CUDA; use cuda or torch")
+    return _extension_backend("cpp")

@@ -1,0 +1,80 @@
+"""GELU (packed input), Softmax (packed output only: its gradient needs nothing else; the original
+saves input and output) and ReLU (a 1-bit mask: its gradient is exact)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..amp import compute_dtype, no_autocast
+from ..quant import attach_saved, pack_mask, save_for_backward, saved_tensors
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate, quant, cdt):
+        xc = x.to(cdt)
+        y = F.gelu(xc, approximate=approximate)
+        save_for_backward(ctx, quant.quantize(xc))
+        ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (xh,) = saved_tensors(ctx)
+        gx = torch.ops.aten.gelu_backward(gy.to(ctx.cdt), xh, approximate=ctx.approximate)
+        return gx.to(ctx.x_dtype), None, None, None
+
+
+def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
+    cdt = compute_dtype("gelu", x)
+    with no_autocast(x):
+        return _GELU.apply(x, approximate, quant, cdt)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, quant, cdt):
+        y = torch.softmax(x.to(cdt), dim)
+        qy = quant.quantize(y)
+        save_for_backward(ctx, qy)
+        ctx.dim, ctx.x_dtype, ctx.cdt = dim, x.dtype, cdt
+        ctx.mesa_qy = qy
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (yh,) = saved_tensors(ctx)
+        gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
+        return gx.to(ctx.x_dtype), None, None, None
+
+
+def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
+    """Softmax along ``dim``; the packed output is attached to it so that a following Mesa MatMul
+    (attn @ v) reuses those bytes instead of storing the same tensor again."""
+    cdt = compute_dtype("softmax", x)
+    with no_autocast(x):
+        y = _Softmax.apply(x, dim, quant, cdt)
+    node = y.grad_fn
+    qy = getattr(node, "mesa_qy", None)
+    if qy is not None:
+        attach_saved(y, qy)
+        node.mesa_qy = None
+    return y
+
+
+class _ReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.relu(x)
+        save_for_backward(ctx, pack_mask(y))
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        (mask,) = saved_tensors(ctx)
+        return gy * mask.to(gy.dtype)
+
+
+def relu_fn(x: torch.Tensor) -> torch.Tensor:
+    """ReLU whose backward keeps only the 1-bit mask y > 0 (exact gradient)."""
+    return _ReLU.apply(x)

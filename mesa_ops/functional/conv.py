@@ -1,0 +1,44 @@
+"""Conv2d: saves the packed input (B, C, H, W), groups along C; backward by aten's
+convolution_backward on the dequantized input."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..amp import compute_dtype, no_autocast
+from ..quant import save_for_backward, saved_tensors
+
+
+class _Conv2d(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, quant, cdt):
+        xc = x.to(cdt)
+        y = F.conv2d(xc, weight.to(cdt), None if bias is None else bias.to(cdt), stride, padding,
+                     dilation, groups)
+        save_for_backward(ctx, quant.quantize(xc), weight)
+        ctx.conf = (list(stride), list(padding), list(dilation), groups)
+        ctx.cdt, ctx.x_dtype = cdt, x.dtype
+        ctx.bias_meta = None if bias is None else (list(bias.shape), bias.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        xh, weight = saved_tensors(ctx)
+        stride, padding, dilation, groups = ctx.conf
+        need = ctx.needs_input_grad
+        bias_sizes = ctx.bias_meta[0] if ctx.bias_meta else None
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            gy.to(ctx.cdt), xh.to(ctx.cdt), weight.to(ctx.cdt), bias_sizes, stride, padding,
+            dilation, False, [0, 0], groups, [need[0], need[1], bool(ctx.bias_meta) and need[2]])
+        gx = gx.to(ctx.x_dtype) if gx is not None else None
+        gw = gw.to(weight.dtype) if gw is not None else None
+        gb = gb.to(ctx.bias_meta[1]) if gb is not None else None
+        return gx, gw, gb, None, None, None, None, None, None
+
+
+def conv2d_fn(x, weight, bias, stride, padding, dilation, groups, quant) -> torch.Tensor:
+    """2-D convolution with integer padding; x (B, C, H, W) stored at ``quant.bits`` bits."""
+    cdt = compute_dtype("conv2d", x)
+    with no_autocast(x):
+        return _Conv2d.apply(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation),
+                             groups, quant, cdt)

@@ -1,0 +1,40 @@
+"""MatMul of (a, b) (q @ k^T and attn @ v): saves both inputs packed, each with its own quantizer
+(``quant1`` for a, ``quant2`` for b; head-wise groups along dim 1 of (B, H, N, D)). When ``a`` is
+the output of a Mesa Softmax, its packed copy is reused: the tensor is stored once."""
+from __future__ import annotations
+
+import torch
+
+from ..amp import compute_dtype, no_autocast
+from ..quant import find_saved, save_for_backward, saved_tensors
+
+
+class _MatMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, quant1, quant2, cdt):
+        ac, bc = a.to(cdt), b.to(cdt)
+        y = torch.matmul(ac, bc)
+        qa = find_saved(a, quant1.bits) or quant1.quantize(ac)
+        save_for_backward(ctx, qa, quant2.quantize(bc))
+        ctx.shapes, ctx.dtypes, ctx.cdt = (a.shape, b.shape), (a.dtype, b.dtype), cdt
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        ah, bh = saved_tensors(ctx)
+        g = gy.to(ctx.cdt)
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = g.matmul(bh.to(ctx.cdt).transpose(-2, -1)).sum_to_size(ctx.shapes[0]).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            gb = ah.to(ctx.cdt).transpose(-2, -1).matmul(g).sum_to_size(ctx.shapes[1]).to(ctx.dtypes[1])
+        return ga, gb, None, None, None
+
+
+def matmul_fn(a: torch.Tensor, b: torch.Tensor, quant1, quant2) -> torch.Tensor:
+    """torch.matmul(a, b) for a (..., n, k), b (..., k, m) (batch dims broadcast)."""
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError(f"mesa MatMul needs inputs of at least 2 dims, got {tuple(a.shape)} @ {tuple(b.shape)}")
+    cdt = compute_dtype("matmul", a)
+    with no_autocast(a):
+        return _MatMul.apply(a, b, quant1, quant2, cdt)

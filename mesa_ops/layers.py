@@ -1,0 +1,206 @@
+"""Mesa layers: subclasses of their ``nn`` counterparts (same parameter names, same init).
+
+In training mode with ``enable`` on (policy file, ``mesa=True`` or ``enable=True``) and a
+gradient to compute, the forward runs the plain op bit for bit but saves for backward only a
+packed low-bit copy of what backward needs (Pan et al., Mesa, arXiv 2111.11124). Otherwise the
+layer is exactly the plain ``nn`` layer. The signatures follow the original Mesa code
+(``mesa=False, args=None, logger=None, quant_groups=1``); ``bits`` is new.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import functional as MF
+from .quant import QuantMixin, Quantizer
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class _Layer(QuantMixin):
+    """Shared constructor bits of the single-quantizer layers."""
+
+    def _setup(self, tag, mesa, enable, quant_groups, bits, group_size=None):
+        self._init_quant(quant_groups, tag=tag, enable=bool(mesa or enable), bits=bits,
+                         group_size=group_size)
+
+    def _active(self, *tensors) -> bool:
+        return self.enable and self.training and _needs_grad(*tensors)
+
+
+class Linear(_Layer, nn.Linear):
+    """``nn.Linear`` storing its input (..., in_features) at ``bits`` bits, G groups along it."""
+
+    def __init__(self, in_features, out_features, bias=True, mesa=False, args=None, logger=None,
+                 quant_groups=1, bits=8, enable=False, group_size=None, device=None, dtype=None):
+        nn.Linear.__init__(self, in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup("fc", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        if self._active(x, self.weight, self.bias):
+            return MF.linear_fn(x, self.weight, self.bias, self)
+        return F.linear(x, self.weight, self.bias)
+
+
+class Conv2d(_Layer, nn.Conv2d):
+    """``nn.Conv2d`` storing its input (B, C_in, H, W) at ``bits`` bits, groups along C_in."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                 groups=1, bias=True, padding_mode="zeros", mesa=False, args=None, logger=None,
+                 quant_groups=1, bits=8, enable=False, group_size=None, device=None, dtype=None):
+        nn.Conv2d.__init__(self, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                           groups, bias, padding_mode, device=device, dtype=dtype)
+        self._setup("conv", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        if not self._active(x, self.weight, self.bias):
+            return super().forward(x)
+        padding = self.padding
+        if self.padding_mode != "zeros" or isinstance(padding, str):
+            if self.padding_mode != "zeros":
+                x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            elif padding == "same":
+                x = F.pad(x, self._reversed_padding_repeated_twice)
+            padding = (0, 0)
+        return MF.conv2d_fn(x, self.weight, self.bias, self.stride, padding, self.dilation,
+                            self.groups, self)
+
+
+class LayerNorm(_Layer, nn.LayerNorm):
+    """``nn.LayerNorm`` storing its input (..., C) at ``bits`` bits plus fp32 mean/rstd."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, mesa=False,
+                 args=None, logger=None, quant_groups=1, bits=8, enable=False, group_size=None,
+                 device=None, dtype=None):
+        nn.LayerNorm.__init__(self, normalized_shape, eps, elementwise_affine, bias=bias,
+                              device=device, dtype=dtype)
+        self._setup("layernorm", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        if self._active(x, self.weight, self.bias):
+            return MF.layer_norm_fn(x, self.normalized_shape, self.weight, self.bias, self.eps, self)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class GELU(_Layer, nn.GELU):
+    """``nn.GELU`` storing its input at ``bits`` bits."""
+
+    def __init__(self, approximate="none", mesa=False, args=None, logger=None, quant_groups=1,
+                 bits=8, enable=False, group_size=None):
+        nn.GELU.__init__(self, approximate=approximate)
+        self._setup("gelu", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        if self._active(x):
+            return MF.gelu_fn(x, self.approximate, self)
+        return F.gelu(x, approximate=self.approximate)
+
+
+class ReLU(_Layer, nn.ReLU):
+    """``nn.ReLU`` whose backward keeps a 1-bit mask (exact gradient, 1/32 of fp32 bytes).
+    ``inplace`` is honoured when compression is off; with it on the output is a new tensor."""
+
+    def __init__(self, inplace=False, mesa=False, args=None, logger=None, quant_groups=1, bits=8,
+                 enable=False, group_size=None):
+        nn.ReLU.__init__(self, inplace=inplace)
+        self._setup("relu", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        if self._active(x):
+            return MF.relu_fn(x)
+        return F.relu(x, inplace=self.inplace)
+
+
+class BatchNorm2d(_Layer, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` storing its input (B, C, H, W) at ``bits`` bits (groups along C)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, mesa=False, args=None, logger=None, quant_groups=1,
+                 bits=8, enable=False, group_size=None, device=None, dtype=None):
+        nn.BatchNorm2d.__init__(self, num_features, eps, momentum, affine, track_running_stats,
+                                device=device, dtype=dtype)
+        self._setup("bn", mesa, enable, quant_groups, bits, group_size)
+
+    def forward(self, x):
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if not (use_batch_stats and self._active(x, self.weight, self.bias)):
+            return super().forward(x)
+        self._check_input_dim(x)
+        # momentum bookkeeping exactly as nn.modules.batchnorm._BatchNorm.forward
+        momentum = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        track = not self.training or self.track_running_stats
+        return MF.batch_norm_fn(x, self.weight, self.bias, self.running_mean if track else None,
+                                self.running_var if track else None, momentum, self.eps, self)
+
+
+class _TwoQuant:
+    """Attributes of MatMul/Softmax read from ``quant1`` and set on both quantizers."""
+    _proxied = ("enable", "bits", "level", "ema_decay", "quant_groups", "stochastic",
+                "range_mode", "check_finite", "index", "group_size", "layer_name")
+
+    def update_quantization_parameter(self, **parameters):
+        from .policy import update_quantization_parameter
+        return update_quantization_parameter(self, **parameters)
+
+    def describe(self) -> str:
+        name = getattr(self, "layer_name", None)
+        return f"{type(self).__name__}{f' {name!r}' if name else ''} (tag={self.tag})"
+
+
+def _proxy(name):
+    def get(self):
+        return getattr(self.quant1, name)
+
+    def set_(self, value):
+        setattr(self.quant1, name, value)
+        setattr(self.quant2, name, value)
+    return property(get, set_)
+
+
+for _n in _TwoQuant._proxied:
+    setattr(_TwoQuant, _n, _proxy(_n))
+
+
+class Softmax(_TwoQuant, nn.Softmax):
+    """``nn.Softmax`` storing only its output (at ``quant2``'s bits, head-wise groups on
+    (B, H, N, N)). ``quant1`` (the original's input quantizer) is kept for policies and
+    checkpoints of the original code; the input is never stored since backward needs only y."""
+
+    def __init__(self, dim=None, mesa=False, args=None, logger=None, quant_groups=1, bits=8,
+                 enable=False):
+        nn.Softmax.__init__(self, dim=dim)
+        on = bool(mesa or enable)
+        self.quant1 = Quantizer(quant_groups, tag="softmax-1", enable=on, bits=bits)
+        self.quant2 = Quantizer(quant_groups, tag="softmax-2", enable=on, bits=bits)
+        self.tag = "softmax"
+
+    def forward(self, x):
+        if self.quant2.enable and self.training and _needs_grad(x):
+            dim = self.dim if self.dim is not None else F._get_softmax_dim("softmax", x.dim(), 3)
+            return MF.softmax_fn(x, dim, self.quant2)
+        return F.softmax(x, self.dim, _stacklevel=5)
+
+
+class MatMul(_TwoQuant, nn.Module):
+    """``a @ b`` as a module: ``quant1`` stores a, ``quant2`` stores b (head-wise groups)."""
+
+    def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
+        nn.Module.__init__(self)
+        on = bool(mesa or enable)
+        self.quant1 = Quantizer(quant_groups, tag="matmul-1", enable=on, bits=bits)
+        self.quant2 = Quantizer(quant_groups, tag="matmul-2", enable=on, bits=bits)
+        self.tag = "matmul"
+
+    def forward(self, a, b):
+        if self.quant1.enable and self.training and _needs_grad(a, b):
+            return MF.matmul_fn(a, b, self.quant1, self.quant2)
+        return torch.matmul(a, b)
+
+
+MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm2d, Softmax, MatMul)

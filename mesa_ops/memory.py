@@ -1,0 +1,99 @@
+"""Saved-activation accounting: the bytes autograd holds for backward during a forward.
+
+Counts every tensor that autograd saves (``torch.autograd.graph.saved_tensors_hooks``), by unique
+storage, excluding the storages of parameters (and of any tensor passed in ``exclude``), and
+attributes each storage to the innermost module running when it was first saved, by class name.
+
+    with SavedActivationMeter(model) as meter:
+        loss = model(x).sum()
+    meter.total_bytes, meter.by_type   # e.g. {'Linear': 1.2e6, 'GELU': 4.1e5, ...}
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr()), s.nbytes()
+
+
+class SavedActivationMeter:
+    """Context manager recording what autograd saves for backward inside it.
+
+    Args:
+        model: module(s) whose parameters and buffers are excluded and whose submodules are
+            used to attribute bytes to layer types.
+        exclude: extra tensors not to count (e.g. inputs you keep anyway).
+    """
+
+    def __init__(self, model: nn.Module | None = None, exclude=()):
+        self.model = model
+        self._exclude = set()
+        if model is not None:
+            for p in list(model.parameters()) + list(model.buffers()):
+                self._exclude.add(_storage_key(p)[0])
+        for t in exclude:
+            self._exclude.add(_storage_key(t)[0])
+        self._seen: dict = {}
+        self.by_type: dict[str, int] = defaultdict(int)
+        self._stack: list[str] = []
+        self._handles = []
+        self._hooks = None
+
+    # module stack, for attribution
+    def _pre(self, module, args):
+        self._stack.append(type(module).__name__)
+
+    def _post(self, module, args, out):
+        if self._stack:
+            self._stack.pop()
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+            key, nbytes = _storage_key(t)
+            if key not in self._exclude and key not in self._seen:
+                self._seen[key] = nbytes
+                self.by_type[self._stack[-1] if self._stack else "(no module)"] += nbytes
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    def __enter__(self):
+        if self.model is not None:
+            for m in self.model.modules():
+                if m is self.model and len(list(m.children())) > 0:
+                    continue
+                self._handles.append(m.register_forward_pre_hook(self._pre))
+                self._handles.append(m.register_forward_hook(self._post))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.by_type = dict(self.by_type)
+        return False
+
+    @property
+    def total_bytes(self) -> int:
+        return int(sum(self._seen.values()))
+
+
+def saved_activation_bytes(model: nn.Module, *inputs, loss_fn=None, **kwargs) -> SavedActivationMeter:
+    """Run ``model(*inputs, **kwargs)`` under a meter and return the meter (forward only; the
+    graph is freed when the output goes out of scope)."""
+    with SavedActivationMeter(model) as meter:
+        out = model(*inputs, **kwargs)
+        if loss_fn is not None:
+            loss_fn(out)
+    del out
+    return meter

@@ -1,0 +1,89 @@
+"""Pure-PyTorch reference of Mesa's quantizer: the specification the C++ and CUDA kernels equal.
+
+The math is the one of ``cuda/quant_math.h`` (see there for the formulas). A tensor is viewed as
+``(outer, G, inner)``; element ``e`` belongs to group ``(e // inner) % G``. Codes of ``bits`` bits
+are packed low bits first, ``8 // bits`` codes per byte, into ``ceil(numel * bits / 8)`` bytes.
+
+Every float step below is one IEEE-rounded PyTorch op, in the same order as the kernels, so the
+results are bit-identical for the same seed.
+"""
+from __future__ import annotations
+
+import torch
+
+_MUL1 = 0x21F0AAAD
+_MUL2 = 0x735A2D97
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit integer hash of quant_math.h on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK32
+    return x ^ (x >> 15)
+
+
+def uniform_noise(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Noise u in [0, 1) (24 random bits) for element indices 0..numel-1, as float32."""
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    s = int(seed) & 0xFFFFFFFFFFFFFFFF
+    h = hash32((i & _MASK32) ^ (s & _MASK32))
+    h = hash32(h ^ (i >> 32) ^ (s >> 32))
+    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def group_index(numel: int, groups: int, inner: int, device) -> torch.Tensor:
+    return (torch.arange(numel, device=device) // inner) % groups
+
+
+def group_minmax(x: torch.Tensor, groups: int, inner: int) -> torch.Tensor:
+    """Per-group (min, max) of contiguous ``x`` as a (2, G) float32 tensor; NaN where non-finite."""
+    v = x.reshape(-1, groups, inner).float()
+    mn, mx = v.amin(dim=(0, 2)), v.amax(dim=(0, 2))
+    bad = ~torch.isfinite(mx - mn)
+    nan = torch.full_like(mn, float("nan"))
+    return torch.stack([torch.where(bad, nan, mn), torch.where(bad, nan, mx)])
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(numel,) int codes < 2^bits -> (ceil(numel*bits/8),) uint8, low bits first."""
+    per = 8 // bits
+    n = codes.numel()
+    nbytes = (n + per - 1) // per
+    c = torch.zeros(nbytes * per, dtype=torch.int32, device=codes.device)
+    c[:n] = codes.to(torch.int32)
+    c = c.view(nbytes, per)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    c = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(-1)[:numel]
+
+
+def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, bits: int, groups: int,
+             inner: int, seed: int, stochastic: bool = True) -> torch.Tensor:
+    """Contiguous ``x`` -> packed uint8 codes. ``inv`` = L / range and ``shift`` per group (G,)."""
+    n = x.numel()
+    xf = x.reshape(-1).float()
+    if bits == 1:
+        return pack_codes((xf > 0).to(torch.int32), 1)
+    g = group_index(n, groups, inner, x.device)
+    noise = uniform_noise(seed, n, x.device) if stochastic else torch.full_like(xf, 0.5)
+    v = (xf - shift.float()[g]) * inv.float()[g]
+    v = v + noise
+    v = torch.clamp(v, min=0.0, max=float((1 << bits) - 1))
+    return pack_codes(v.to(torch.int32), bits)
+
+
+def dequantize(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
+               groups: int, inner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes -> flat (numel,) tensor of ``dtype``: q * step + shift per group."""
+    q = unpack_codes(packed, bits, numel).to(torch.float32)
+    g = group_index(numel, groups, inner, packed.device)
+    return (q * step.float()[g] + shift.float()[g]).to(dtype)
