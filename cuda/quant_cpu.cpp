@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -32,46 +33,79 @@ inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t gr
   }
 }
 
+// Codes of elements [begin, end) of one tile (which never crosses a 2^32 index boundary, since
+// tiles are aligned to kTile, a power of two).
 template <typename scalar_t>
-void quantize_tile(const scalar_t* x, uint8_t* codes, int64_t begin, int64_t end, const float* inv,
-                   const float* shift, int64_t inner, int64_t groups, int bits, uint64_t seed,
-                   bool stochastic) {
+void quantize_tile(const scalar_t* __restrict__ x, uint8_t* __restrict__ codes, int64_t begin,
+                   int64_t end, const float* inv, const float* shift, int64_t inner, int64_t groups,
+                   int bits, uint64_t seed, bool stochastic) {
   const float maxq = static_cast<float>((1u << bits) - 1u);
+  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(begin) >> 32);
   for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
     const float iv = inv[g];
     const float sh = shift[g];
-    uint8_t* out = codes + (s - begin);
+    const scalar_t* __restrict__ xs = x + s;
+    uint8_t* __restrict__ out = codes + (s - begin);
+    const int64_t n = t - s;
+    const uint32_t lo0 = static_cast<uint32_t>(static_cast<uint64_t>(s));
     if (bits == 1) {
-      for (int64_t e = s; e < t; ++e) out[e - s] = static_cast<uint8_t>(mask_one(static_cast<float>(x[e])));
+      for (int64_t e = 0; e < n; ++e) out[e] = static_cast<uint8_t>(mask_one(static_cast<float>(xs[e])));
     } else if (stochastic) {
-      for (int64_t e = s; e < t; ++e)
-        out[e - s] = static_cast<uint8_t>(
-            quantize_one(static_cast<float>(x[e]), iv, sh, uniform(seed, e), maxq));
+      for (int64_t e = 0; e < n; ++e) {
+        const float u = uniform_lohi(seed, lo0 + static_cast<uint32_t>(e), hi);
+        out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, u, maxq));
+      }
     } else {
-      for (int64_t e = s; e < t; ++e)
-        out[e - s] = static_cast<uint8_t>(quantize_one(static_cast<float>(x[e]), iv, sh, 0.5f, maxq));
+      for (int64_t e = 0; e < n; ++e)
+        out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, 0.5f, maxq));
     }
   });
 }
 
-// Packs n codes of `bits` bits (low bits first) into ceil(n * bits / 8) bytes.
-inline void pack_codes(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
-  const int per = 8 / bits;
-  const int64_t nbytes = (n + per - 1) / per;
-  for (int64_t k = 0; k < nbytes; ++k) {
+// Packs n codes of BITS bits (low bits first) into ceil(n * BITS / 8) bytes. BITS is a template
+// parameter so the inner loops have constant trip counts and vectorise.
+template <int BITS>
+inline void pack_codes_t(const uint8_t* __restrict__ codes, int64_t n, uint8_t* __restrict__ out) {
+  constexpr int per = 8 / BITS;
+  const int64_t full = n / per;
+  for (int64_t k = 0; k < full; ++k) {
     uint32_t byte = 0;
-    const int64_t base = k * per;
-    const int cnt = static_cast<int>(std::min<int64_t>(per, n - base));
-    for (int j = 0; j < cnt; ++j) byte |= static_cast<uint32_t>(codes[base + j]) << (j * bits);
+    for (int j = 0; j < per; ++j) byte |= static_cast<uint32_t>(codes[k * per + j]) << (j * BITS);
     out[k] = static_cast<uint8_t>(byte);
+  }
+  if (full * per < n) {
+    uint32_t byte = 0;
+    for (int64_t e = full * per; e < n; ++e) byte |= static_cast<uint32_t>(codes[e]) << ((e - full * per) * BITS);
+    out[full] = static_cast<uint8_t>(byte);
+  }
+}
+
+template <int BITS>
+inline void unpack_codes_t(const uint8_t* __restrict__ in, int64_t n, uint8_t* __restrict__ codes) {
+  constexpr int per = 8 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+  const int64_t full = n / per;
+  for (int64_t k = 0; k < full; ++k)
+    for (int j = 0; j < per; ++j)
+      codes[k * per + j] = static_cast<uint8_t>((static_cast<uint32_t>(in[k]) >> (j * BITS)) & mask);
+  for (int64_t e = full * per; e < n; ++e)
+    codes[e] = static_cast<uint8_t>((static_cast<uint32_t>(in[full]) >> ((e - full * per) * BITS)) & mask);
+}
+
+inline void pack_codes(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+  switch (bits) {
+    case 4: pack_codes_t<4>(codes, n, out); break;
+    case 2: pack_codes_t<2>(codes, n, out); break;
+    default: pack_codes_t<1>(codes, n, out); break;
   }
 }
 
 inline void unpack_codes(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
-  const int per = 8 / bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  for (int64_t e = 0; e < n; ++e)
-    codes[e] = static_cast<uint8_t>((in[e / per] >> ((e % per) * bits)) & mask);
+  switch (bits) {
+    case 4: unpack_codes_t<4>(in, n, codes); break;
+    case 2: unpack_codes_t<2>(in, n, codes); break;
+    default: unpack_codes_t<1>(in, n, codes); break;
+  }
 }
 
 }  // namespace
@@ -170,17 +204,40 @@ at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) 
       for (int64_t s = s0; s < s1; ++s) {
         const int64_t g = s % groups;
         const scalar_t* p = xp + s * inner;
-        float lo = mn[g], hi = mx[g];
-        int nonfinite = 0;
-        for (int64_t i = 0; i < inner; ++i) {
-          const float v = static_cast<float>(p[i]);
-          lo = v < lo ? v : lo;
-          hi = v > hi ? v : hi;
-          nonfinite |= (v - v) != 0.0f ? 1 : 0;  // NaN and +-Inf give NaN
+        // 8 independent lanes: the compiler vectorises these (a single running min would
+        // be a float reduction, which it may not reorder).
+        float lo[8], hi[8];
+        uint32_t nf[8];
+        for (int j = 0; j < 8; ++j) { lo[j] = mn[g]; hi[j] = mx[g]; nf[j] = 0; }
+        int64_t i = 0;
+        for (; i + 8 <= inner; i += 8) {
+          for (int j = 0; j < 8; ++j) {
+            const float v = static_cast<float>(p[i + j]);
+            uint32_t b;
+            std::memcpy(&b, &v, sizeof(b));
+            lo[j] = v < lo[j] ? v : lo[j];
+            hi[j] = v > hi[j] ? v : hi[j];
+            nf[j] |= nonfinite_bits(b) ? 1u : 0u;
+          }
         }
-        mn[g] = lo;
-        mx[g] = hi;
-        bd[g] |= static_cast<uint8_t>(nonfinite);
+        for (; i < inner; ++i) {
+          const float v = static_cast<float>(p[i]);
+          uint32_t b;
+          std::memcpy(&b, &v, sizeof(b));
+          lo[0] = v < lo[0] ? v : lo[0];
+          hi[0] = v > hi[0] ? v : hi[0];
+          nf[0] |= nonfinite_bits(b) ? 1u : 0u;
+        }
+        float l = lo[0], h = hi[0];
+        uint32_t bad_any = nf[0];
+        for (int j = 1; j < 8; ++j) {
+          l = lo[j] < l ? lo[j] : l;
+          h = hi[j] > h ? hi[j] : h;
+          bad_any |= nf[j];
+        }
+        mn[g] = l;
+        mx[g] = h;
+        bd[g] |= static_cast<uint8_t>(bad_any);
       }
     });
   });

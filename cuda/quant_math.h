@@ -14,9 +14,9 @@
 // reference give identical bits.
 //
 // Noise: a counter-based generator. For element index i (int64) and a 64-bit seed drawn from
-// torch's generator: h = H(H(lo32(i) ^ lo32(seed)) ^ hi32(i) ^ hi32(seed)), u = (h >> 8) * 2^-24,
-// where H is a 32-bit integer hash whose multipliers are below 2^31 (so the int64 reference
-// never overflows).
+// torch's generator: h = H((lo32(i) ^ lo32(seed)) + (hi32(i) ^ hi32(seed)) * 0x9e3779b9 mod 2^32),
+// u = (h >> 8) * 2^-24, where H is a 32-bit integer hash (one round of a "lowbias32"-style
+// xorshift-multiply) whose multipliers are below 2^31 (so the int64 reference never overflows).
 #pragma once
 #include <cstdint>
 
@@ -30,6 +30,7 @@ namespace mesa {
 
 constexpr uint32_t kHashMul1 = 0x21f0aaadu;
 constexpr uint32_t kHashMul2 = 0x735a2d97u;
+constexpr uint32_t kGolden = 0x9e3779b9u;  // mixes the high words in (mod 2^32)
 
 MESA_HD uint32_t hash32(uint32_t x) {
   x ^= x >> 16;
@@ -40,12 +41,17 @@ MESA_HD uint32_t hash32(uint32_t x) {
   return x;
 }
 
-// Uniform noise in [0, 1) with 24 random bits, exactly representable in fp32.
+// Uniform noise in [0, 1) with 24 random bits, exactly representable in fp32, from the low and
+// high 32-bit words of the element index (the split lets the CPU loop vectorise on 32-bit lanes).
+MESA_HD float uniform_lohi(uint64_t seed, uint32_t lo, uint32_t hi) {
+  const uint32_t h = hash32((lo ^ static_cast<uint32_t>(seed)) +
+                            (hi ^ static_cast<uint32_t>(seed >> 32)) * kGolden);
+  return static_cast<float>(static_cast<int32_t>(h >> 8)) * (1.0f / 16777216.0f);
+}
+
 MESA_HD float uniform(uint64_t seed, int64_t index) {
   const uint64_t i = static_cast<uint64_t>(index);
-  uint32_t h = hash32(static_cast<uint32_t>(i) ^ static_cast<uint32_t>(seed));
-  h = hash32(h ^ static_cast<uint32_t>(i >> 32) ^ static_cast<uint32_t>(seed >> 32));
-  return static_cast<float>(h >> 8) * (1.0f / 16777216.0f);
+  return uniform_lohi(seed, static_cast<uint32_t>(i), static_cast<uint32_t>(i >> 32));
 }
 
 MESA_HD float fsub(float a, float b) {
@@ -75,8 +81,11 @@ MESA_HD uint32_t quantize_one(float x, float inv, float shift, float noise, floa
   float v = fadd(fmul(fsub(x, shift), inv), noise);
   v = v > 0.0f ? v : 0.0f;      // NaN -> 0 (NaN is rejected before quantizing by default)
   v = v < maxq ? v : maxq;
-  return static_cast<uint32_t>(v);  // truncation == floor for v >= 0
+  return static_cast<uint32_t>(static_cast<int32_t>(v));  // truncation == floor for v >= 0
 }
+
+// True for +-Inf and NaN (exponent bits all ones), on the bit pattern so loops vectorise.
+MESA_HD bool nonfinite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
 
 MESA_HD uint32_t mask_one(float x) { return x > 0.0f ? 1u : 0u; }
 

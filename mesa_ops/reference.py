@@ -13,6 +13,7 @@ import torch
 
 _MUL1 = 0x21F0AAAD
 _MUL2 = 0x735A2D97
+_GOLDEN = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
 
 
@@ -29,8 +30,8 @@ def uniform_noise(seed: int, numel: int, device: torch.device | str = "cpu") -> 
     """Noise u in [0, 1) (24 random bits) for element indices 0..numel-1, as float32."""
     i = torch.arange(numel, dtype=torch.int64, device=device)
     s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    h = hash32((i & _MASK32) ^ (s & _MASK32))
-    h = hash32(h ^ (i >> 32) ^ (s >> 32))
+    hi = (((i >> 32) ^ (s >> 32)) * _GOLDEN) & _MASK32  # < 2^32 * 2^32: fits int64 only masked
+    h = hash32((((i & _MASK32) ^ (s & _MASK32)) + hi) & _MASK32)
     return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
 
 
