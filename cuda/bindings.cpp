@@ -16,6 +16,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 torch::python::detail::py_object_to_dtype(dtype));
   });
   m.def("group_minmax_cpu", &mesa::group_minmax_cpu, "per-group (min, max) as a (2, G) float tensor");
+  m.def("range_update_cpu", &mesa::range_update_cpu,
+        "running-range update in place; returns (4, G): inv, step, shift, finite");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

@@ -57,6 +57,9 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
                           int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                           at::ScalarType dtype);
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
+at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
+                            at::Tensor shift, at::Tensor iteration, double decay,
+                            double one_minus_decay, bool batch_mode, int64_t bits);
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

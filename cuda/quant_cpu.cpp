@@ -257,4 +257,48 @@ at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) 
   return out;
 }
 
+// Per-group min/max of x, the running-range update of (clip_val, shift, iteration) in place, and
+// the scales to quantize x with: a (4, G) float tensor of rows inv, step, shift, finite (1/0).
+// If any group holds NaN/Inf the state is left unchanged (the caller raises or skips).
+at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
+                            at::Tensor shift, at::Tensor iteration, double decay,
+                            double one_minus_decay, bool batch_mode, int64_t bits) {
+  for (const at::Tensor* t : {&clip_val, &shift}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
+                    t->device().is_cpu(),
+                "mesa range_update: clip_val/shift must be contiguous float32 CPU tensors of ",
+                groups, " elements");
+  }
+  TORCH_CHECK(iteration.scalar_type() == at::kFloat && iteration.numel() == 1,
+              "mesa range_update: iteration must be a float32 tensor of 1 element");
+  check_bits("range_update", bits);
+  const at::Tensor mm = group_minmax_cpu(x, groups, inner);
+  const float* lo = mm.data_ptr<float>();
+  const float* hi = lo + groups;
+  auto out = at::empty({4, groups}, mm.options());
+  float* o = out.data_ptr<float>();
+  bool finite = true;
+  for (int64_t g = 0; g < groups; ++g) {
+    const bool f = std::isfinite(lo[g]) && std::isfinite(hi[g]);
+    o[3 * groups + g] = f ? 1.0f : 0.0f;
+    finite = finite && f;
+  }
+  float* clip = clip_val.data_ptr<float>();
+  float* sh = shift.data_ptr<float>();
+  float* it = iteration.data_ptr<float>();
+  if (finite) {
+    const bool take = batch_mode || it[0] == 0.0f;
+    for (int64_t g = 0; g < groups; ++g)
+      update_range_one(lo[g], hi[g], take, static_cast<float>(decay),
+                       static_cast<float>(one_minus_decay), clip + g, sh + g);
+    it[0] += 1.0f;
+  }
+  const float levels = static_cast<float>((1u << bits) - 1u);
+  for (int64_t g = 0; g < groups; ++g) {
+    scales_one(clip[g], levels, o + g, o + groups + g);
+    o[2 * groups + g] = sh[g];
+  }
+  return out;
+}
+
 }  // namespace mesa

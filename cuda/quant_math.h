@@ -93,6 +93,39 @@ MESA_HD float dequantize_one(uint32_t q, float step, float shift) {
   return fadd(fmul(static_cast<float>(q), step), shift);
 }
 
+MESA_HD float fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// ---- per-group running range (Pan et al., Sec. 3.2: running estimates) ----------------------
+// One group's update from the batch's min `lo` and max `hi`. first/batch_mode: take the batch's
+// range; else EMA: clip = clip * d + (hi - lo) * c and shift = shift * d + lo * c, c = 1 - d
+// (d and c are given, both rounded from double to float, as the PyTorch reference does).
+MESA_HD void update_range_one(float lo, float hi, bool take_batch, float d, float c, float* clip,
+                              float* shift) {
+  const float rng = fsub(hi, lo);
+  if (take_batch) {
+    *clip = rng;
+    *shift = lo;
+  } else {
+    *clip = fadd(fmul(*clip, d), fmul(rng, c));
+    *shift = fadd(fmul(*shift, d), fmul(lo, c));
+  }
+}
+
+constexpr float kRangeEps = 1e-8f;
+
+// Scales for quantizing with range `clip`: inv = L / r and step = r / L, r = max(clip, eps).
+MESA_HD void scales_one(float clip, float levels, float* inv, float* step) {
+  const float r = clip > kRangeEps ? clip : kRangeEps;
+  *inv = fdiv(levels, r);
+  *step = fdiv(r, levels);
+}
+
 // Element e of a tensor viewed as (outer, G, inner) belongs to group (e / inner) % G.
 MESA_HD int64_t group_of(int64_t e, int64_t inner, int64_t groups) { return (e / inner) % groups; }
 

@@ -100,6 +100,7 @@ class _Reference:
     quantize = staticmethod(reference.quantize)
     dequantize = staticmethod(reference.dequantize)
     group_minmax = staticmethod(reference.group_minmax)
+    range_update = staticmethod(reference.range_update)
 
 
 class _Extension:
@@ -108,6 +109,7 @@ class _Extension:
         self._q = getattr(ext, f"quantize_{suffix}")
         self._d = getattr(ext, f"dequantize_{suffix}")
         self._m = getattr(ext, f"group_minmax_{suffix}")
+        self._r = getattr(ext, f"range_update_{suffix}", None)
 
     def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
         return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
@@ -117,6 +119,15 @@ class _Extension:
 
     def group_minmax(self, x, groups, inner):
         return self._m(x, groups, inner)
+
+    def range_update(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+                     batch_mode, bits):
+        if self._r is not None:  # fused C++ (CPU)
+            return self._r(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+                           batch_mode, bits)
+        # CUDA: the reference's tensor ops on the GPU (no host sync), min/max by the kernel
+        return reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
+                                      one_minus_decay, batch_mode, bits, minmax=self._m)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,7 +25,6 @@ from .backend import get_backend
 
 _log = logging.getLogger("mesa_ops")
 SUPPORTED_BITS = (8, 4, 2)
-RANGE_EPS = 1e-8
 
 
 def channel_dim(ndim: int) -> int:
@@ -203,22 +202,12 @@ class QuantMixin:
                                       unexpected_keys, error_msgs)
 
     # ---- the quantization path ------------------------------------------------------------
-    @torch.no_grad()
-    def update_range(self, lo: torch.Tensor, hi: torch.Tensor) -> None:
-        """Running estimate update from the batch's per-group min ``lo`` and max ``hi``."""
-        rng = (hi - lo).to(self.clip_val.dtype)
-        lo = lo.to(self.shift.dtype)
-        if self.range_mode == "batch":
-            self.clip_val.copy_(rng)
-            self.shift.copy_(lo)
-        elif self.range_mode == "ema":
-            d = float(self.ema_decay)
-            first = self.iteration.reshape(()) == 0
-            self.clip_val.copy_(torch.where(first, rng, self.clip_val * d + rng * (1.0 - d)))
-            self.shift.copy_(torch.where(first, lo, self.shift * d + lo * (1.0 - d)))
-        else:
-            raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', got {self.range_mode!r}")
-        self.iteration.add_(1)
+    def _state_fp32(self) -> None:
+        """Keep the running estimates in float32 (model.half() / .to(bf16) cast buffers too)."""
+        for n in ("clip_val", "shift", "iteration"):
+            t = getattr(self, n)
+            if t.dtype != torch.float32:
+                setattr(self, n, t.float())
 
     @torch.no_grad()
     def quantize(self, x: torch.Tensor) -> QTensor:
@@ -226,18 +215,19 @@ class QuantMixin:
         shape, dtype = x.shape, x.dtype
         xs, transposed = _memory_view(x.detach())
         g, inner = self.groups_for(xs.shape)
+        if self.range_mode not in ("ema", "batch"):
+            raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', got {self.range_mode!r}")
+        self._state_fp32()
         be = get_backend(xs)
-        mm = be.group_minmax(xs, g, inner)
-        if self.check_finite and not bool(torch.isfinite(mm).all()):
+        d = float(self.ema_decay)
+        params = be.range_update(xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
+                                 self.range_mode == "batch", self.bits)
+        if self.check_finite and not bool(params[3].all()):  # a host sync on CUDA
             raise FloatingPointError(
                 f"{self.describe()}: the activation of shape {tuple(shape)} holds NaN or Inf; "
-                "it would poison the running range (set check_finite=False to skip this check)")
-        self.update_range(mm[0], mm[1])
-        levels = float((1 << self.bits) - 1)
-        rng = self.clip_val.float().clamp_min(RANGE_EPS)
-        inv = (levels / rng).contiguous()
-        step = (rng / levels).contiguous()
-        sh = self.shift.float().clone()
+                "it would poison the running range (set check_finite=False to skip this "
+                "check; the range is then not updated on such steps)")
+        inv, step, sh = params[0], params[1], params[2]
         packed = be.quantize(xs, inv, sh, self.bits, g, inner, draw_seed(), bool(self.stochastic))
         return QTensor(packed, step, sh, shape, dtype, self.bits, g, inner, transposed)
 

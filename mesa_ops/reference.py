@@ -48,6 +48,34 @@ def group_minmax(x: torch.Tensor, groups: int, inner: int) -> torch.Tensor:
     return torch.stack([torch.where(bad, nan, mn), torch.where(bad, nan, mx)])
 
 
+RANGE_EPS = 1e-8
+
+
+def range_update(x: torch.Tensor, groups: int, inner: int, clip_val: torch.Tensor,
+                 shift: torch.Tensor, iteration: torch.Tensor, decay: float, one_minus_decay: float,
+                 batch_mode: bool, bits: int, minmax=None) -> torch.Tensor:
+    """Running-range update of (clip_val, shift, iteration) in place from the batch's per-group
+    min/max (first step or ``batch_mode``: the batch's; else EMA), and the scales to quantize
+    with: a (4, G) float32 tensor of rows inv = L / r, step = r / L (r = max(clip_val, 1e-8)),
+    shift, finite (1/0). State is left unchanged when any group holds NaN/Inf. No host sync."""
+    mm = (minmax or group_minmax)(x, groups, inner)
+    lo, hi = mm[0], mm[1]
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    ok = finite.all()
+    rng = hi - lo
+    take = iteration.reshape(()) == 0
+    if batch_mode:
+        take = torch.ones_like(take)
+    new_clip = torch.where(take, rng, clip_val * decay + rng * one_minus_decay)
+    new_shift = torch.where(take, lo, shift * decay + lo * one_minus_decay)
+    clip_val.copy_(torch.where(ok, new_clip, clip_val))
+    shift.copy_(torch.where(ok, new_shift, shift))
+    iteration.add_(ok.to(iteration.dtype))
+    r = clip_val.clamp_min(RANGE_EPS)
+    levels = torch.full_like(r, float((1 << bits) - 1))
+    return torch.stack([levels / r, r / levels, shift.clone(), finite.to(torch.float32)])
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(numel,) int codes < 2^bits -> (ceil(numel*bits/8),) uint8, low bits first."""
     per = 8 // bits

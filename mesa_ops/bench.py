@@ -1,0 +1,173 @@
+"""Timing and memory helpers shared by ``tools/benchmark_ops.py``, ``tools/demo.py`` and the
+benchmarks: median train-step time, saved-activation bytes, and the per-layer cases.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from . import layers as L
+from .blocks import Block
+from .memory import SavedActivationMeter
+from .policy import set_mesa
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def step_time(model: nn.Module, inputs: tuple, steps: int = 10, warmup: int = 3,
+              autocast_dtype: torch.dtype | None = None) -> float:
+    """Median seconds of forward + backward of ``model(*inputs).float().sum()`` (train mode)."""
+    model.train()
+    dev = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    times = []
+    for i in range(warmup + steps):
+        for p in model.parameters():
+            p.grad = None
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(*inputs)
+        out.float().sum().backward()
+        _sync(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def saved_bytes(model: nn.Module, inputs: tuple,
+                autocast_dtype: torch.dtype | None = None) -> SavedActivationMeter:
+    """Saved-activation accounting of one training forward of ``model(*inputs)``."""
+    model.train()
+    dev = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    with SavedActivationMeter(model) as meter:
+        with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            out = model(*inputs)
+    del out
+    return meter
+
+
+@dataclass
+class OpCase:
+    """One benchmark case: a Mesa module and the shapes of its inputs."""
+    name: str
+    make: Callable[[], nn.Module]
+    shapes: tuple
+    requires_grad: tuple = None
+
+
+def op_cases(batch: int = 8, tokens: int = 197, dim: int = 192, heads: int = 3) -> list[OpCase]:
+    """The layers of a DeiT-Ti-width block at its shapes, plus conv/bn/relu on a feature map."""
+    hd = dim // heads
+    tok = (batch, tokens, dim)
+    att = (batch, heads, tokens, tokens)
+    fmap = (batch, 64, 28, 28)
+    return [
+        OpCase("Linear 192->768", lambda: L.Linear(dim, 4 * dim, quant_groups=heads), (tok,)),
+        OpCase("LayerNorm 192", lambda: L.LayerNorm(dim, quant_groups=heads), (tok,)),
+        OpCase("GELU 768", lambda: L.GELU(quant_groups=heads), ((batch, tokens, 4 * dim),)),
+        OpCase("Softmax (B,H,N,N)", lambda: L.Softmax(dim=-1, quant_groups=heads), (att,)),
+        OpCase("MatMul q@k^T", lambda: L.MatMul(quant_groups=heads),
+               ((batch, heads, tokens, hd), (batch, heads, hd, tokens))),
+        OpCase("Conv2d 64->64 3x3", lambda: L.Conv2d(64, 64, 3, padding=1, quant_groups=4), (fmap,)),
+        OpCase("BatchNorm2d 64", lambda: L.BatchNorm2d(64, quant_groups=4), (fmap,)),
+        OpCase("ReLU", lambda: L.ReLU(), (fmap,)),
+        OpCase(f"Block dim{dim} h{heads} N{tokens}", lambda: Block(dim, heads), (tok,)),
+    ]
+
+
+def compare(case: OpCase, bits_list=(8, 4, 2), device: str = "cpu", steps: int = 10,
+            autocast_dtype: torch.dtype | None = None, seed: int = 0) -> list[dict]:
+    """Exact vs Mesa at each bit width for one case: time and saved bytes, with ratios."""
+    torch.manual_seed(seed)
+    base = case.make().to(device)
+    inputs = tuple(torch.randn(s, device=device).requires_grad_() for s in case.shapes)
+    rows = []
+    ref_t = ref_b = None
+    for bits in (None,) + tuple(bits_list):
+        m = copy.deepcopy(base)
+        set_mesa(m, enable=bits is not None, bits=bits or 8)
+        t = step_time(m, inputs, steps=steps, autocast_dtype=autocast_dtype)
+        b = saved_bytes(m, inputs, autocast_dtype=autocast_dtype).total_bytes
+        if bits is None:
+            ref_t, ref_b = t, b
+        rows.append(dict(case=case.name, mode="exact" if bits is None else f"mesa{bits}",
+                         time_ms=t * 1e3, time_ratio=t / ref_t, saved_bytes=b,
+                         bytes_ratio=b / ref_b if ref_b else float("nan")))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table: one row per case, per mode 'ms (x time, x bytes)'."""
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    by = {(r["case"], r["mode"]): r for r in rows}
+    head = "| case | " + " | ".join(modes) + " |"
+    lines = [head, "|" + "---|" * (len(modes) + 1)]
+    for c in cases:
+        cells = []
+        for md in modes:
+            r = by.get((c, md))
+            if r is None:
+                cells.append("")
+            elif md == "exact":
+                cells.append(f"{r['time_ms']:.2f} ms, {r['saved_bytes'] / 2**20:.2f} MiB")
+            else:
+                cells.append(f"{r['time_ms']:.2f} ms ({r['time_ratio']:.2f}x time, "
+                             f"{r['bytes_ratio']:.3f}x bytes)")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+class TinyViTHead(nn.Module):
+    """Blocks of :class:`Block` on (B, N, C) tokens, mean-pooled, then a linear head."""
+
+    def __init__(self, depth: int = 2, dim: int = 192, heads: int = 3, classes: int = 10):
+        super().__init__()
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.norm = L.LayerNorm(dim, quant_groups=heads)
+        self.head = L.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(x)).mean(1))
+
+
+def train_compare(bits_list=(8,), depth: int = 2, batch: int = 8, tokens: int = 197, dim: int = 192,
+                  heads: int = 3, steps: int = 5, seed: int = 0, device: str = "cpu") -> list[dict]:
+    """Train the same TinyViTHead from the same init on the same random batches, exact and with
+    Mesa at each bit width; report final loss, saved-activation bytes and median step time."""
+    torch.manual_seed(seed)
+    base = TinyViTHead(depth, dim, heads).to(device)
+    data = [(torch.randn(batch, tokens, dim, device=device),
+             torch.randint(0, 10, (batch,), device=device)) for _ in range(steps)]
+    rows = []
+    for bits in (None,) + tuple(bits_list):
+        model = copy.deepcopy(base)
+        set_mesa(model, enable=bits is not None, bits=bits or 8)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        times, losses = [], []
+        for x, y in data:
+            t0 = time.perf_counter()
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            _sync(torch.device(device))
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        meter = saved_bytes(model, (data[0][0],))
+        rows.append(dict(mode="exact" if bits is None else f"mesa{bits}", first_loss=losses[0],
+                         final_loss=losses[-1], saved_bytes=meter.total_bytes,
+                         step_ms=statistics.median(times[1:] or times) * 1e3))
+    for r in rows:
+        r["bytes_ratio"] = r["saved_bytes"] / rows[0]["saved_bytes"]
+        r["time_ratio"] = r["step_ms"] / rows[0]["step_ms"]
+    return rows
