@@ -59,7 +59,8 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,
-                            double one_minus_decay, bool batch_mode, int64_t bits);
+                            double one_minus_decay, bool batch_mode, int64_t bits,
+                            bool update);
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

@@ -259,10 +259,12 @@ at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) 
 
 // Per-group min/max of x, the running-range update of (clip_val, shift, iteration) in place, and
 // the scales to quantize x with: a (4, G) float tensor of rows inv, step, shift, finite (1/0).
-// If any group holds NaN/Inf the state is left unchanged (the caller raises or skips).
+// If any group holds NaN/Inf, or `update` is false (checkpoint recomputation), the state is left
+// unchanged.
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,
-                            double one_minus_decay, bool batch_mode, int64_t bits) {
+                            double one_minus_decay, bool batch_mode, int64_t bits,
+                            bool update) {
   for (const at::Tensor* t : {&clip_val, &shift}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
                     t->device().is_cpu(),
@@ -286,7 +288,7 @@ at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, 
   float* clip = clip_val.data_ptr<float>();
   float* sh = shift.data_ptr<float>();
   float* it = iteration.data_ptr<float>();
-  if (finite) {
+  if (finite && update) {
     const bool take = batch_mode || it[0] == 0.0f;
     for (int64_t g = 0; g < groups; ++g)
       update_range_one(lo[g], hi[g], take, static_cast<float>(decay),

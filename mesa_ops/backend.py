@@ -121,13 +121,13 @@ class _Extension:
         return self._m(x, groups, inner)
 
     def range_update(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                     batch_mode, bits):
+                     batch_mode, bits, update=True):
         if self._r is not None:  # fused C++ (CPU)
             return self._r(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                           batch_mode, bits)
+                           batch_mode, bits, update)
         # CUDA: the reference's tensor ops on the GPU (no host sync), min/max by the kernel
         return reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
-                                      one_minus_decay, batch_mode, bits, minmax=self._m)
+                                      one_minus_decay, batch_mode, bits, update, minmax=self._m)
 
 
 @functools.lru_cache(maxsize=None)

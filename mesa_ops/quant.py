@@ -86,6 +86,12 @@ def _memory_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return x.contiguous(), False
 
 
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. checkpoint recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def draw_seed() -> int:
     """A 62-bit seed from torch's default generator (so torch.manual_seed fixes the noise)."""
     return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
@@ -220,8 +226,10 @@ class QuantMixin:
         self._state_fp32()
         be = get_backend(xs)
         d = float(self.ema_decay)
+        # in an activation-checkpoint recomputation the running estimates were already updated
+        # by this step's forward: quantize with them, do not update them twice
         params = be.range_update(xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
-                                 self.range_mode == "batch", self.bits)
+                                 self.range_mode == "batch", self.bits, not in_backward())
         if self.check_finite and not bool(params[3].all()):  # a host sync on CUDA
             raise FloatingPointError(
                 f"{self.describe()}: the activation of shape {tuple(shape)} holds NaN or Inf; "

@@ -53,15 +53,16 @@ RANGE_EPS = 1e-8
 
 def range_update(x: torch.Tensor, groups: int, inner: int, clip_val: torch.Tensor,
                  shift: torch.Tensor, iteration: torch.Tensor, decay: float, one_minus_decay: float,
-                 batch_mode: bool, bits: int, minmax=None) -> torch.Tensor:
+                 batch_mode: bool, bits: int, update: bool = True, minmax=None) -> torch.Tensor:
     """Running-range update of (clip_val, shift, iteration) in place from the batch's per-group
     min/max (first step or ``batch_mode``: the batch's; else EMA), and the scales to quantize
     with: a (4, G) float32 tensor of rows inv = L / r, step = r / L (r = max(clip_val, 1e-8)),
-    shift, finite (1/0). State is left unchanged when any group holds NaN/Inf. No host sync."""
+    shift, finite (1/0). State is left unchanged when any group holds NaN/Inf or ``update`` is
+    False (activation-checkpoint recomputation). No host sync."""
     mm = (minmax or group_minmax)(x, groups, inner)
     lo, hi = mm[0], mm[1]
     finite = torch.isfinite(lo) & torch.isfinite(hi)
-    ok = finite.all()
+    ok = finite.all() & update
     rng = hi - lo
     take = iteration.reshape(()) == 0
     if batch_mode:

@@ -1,0 +1,275 @@
+"""Memory and throughput of whole models: exact training vs Mesa vs activation checkpointing.
+
+Modes: ``exact``; ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, matmul, gelu, layernorm, softmax);
+``ckpt`` (``torch.utils.checkpoint``, non-reentrant, around each top-level Transformer block);
+``mesa8+ckpt``. For each (model, mode) one worker process builds the model, runs ``warmup +
+steps`` train steps (forward, loss, backward, SGD step) and reports:
+
+* ``saved_bytes``: bytes autograd holds for backward after one forward (unique storages,
+  parameters excluded; for checkpointed blocks, their stored inputs);
+* ``peak_bytes``: CUDA ``max_memory_allocated``; on CPU the worker's peak RSS (``ru_maxrss``)
+  minus its RSS once the model and batch are built (the training peak: activations, gradients,
+  optimizer state), comparable between modes since every configuration runs in a fresh process;
+* ``step_time_s``: median step time after warm-up.
+
+``largest_batch`` searches (doubling, then bisection) the largest batch whose peak stays within
+a budget, each probe in a fresh worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tckpt
+
+import mesa_ops as ms
+
+MODES = ("exact", "mesa8", "mesa4", "mesa2", "ckpt", "mesa8+ckpt")
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Config:
+    model: str
+    mode: str
+    batch: int
+    input_size: int = 224
+    precision: str = "fp32"
+    steps: int = 5
+    warmup: int = 2
+    device: str = "cpu"
+    num_classes: int = 1000
+    threads: int = 0
+
+
+@dataclass
+class Record:
+    model: str
+    mode: str
+    precision: str
+    batch: int
+    input_size: int
+    device: str
+    saved_bytes: int
+    peak_bytes: int
+    step_time_s: float
+    by_type: dict = field(default_factory=dict)
+    oom: bool = False
+
+
+def _mode_policy(mode: str):
+    if mode.startswith("mesa"):
+        return "mesa" + mode[4]  # 'mesa8', 'mesa4', 'mesa2' shorthands of models.create_model
+    return None
+
+
+class _CheckpointedBlock(nn.Module):
+    """Runs ``block`` under non-reentrant activation checkpointing; records its inputs' bytes."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.stored_inputs: list = []
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.block(*args, **kwargs)
+        self.stored_inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        return tckpt.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model: nn.Module) -> list[_CheckpointedBlock]:
+    """Wrap every outermost module whose class name ends in 'Block' (DeiT, Swin, PVT blocks)."""
+    wrapped = []
+
+    def visit(module):
+        for name, child in module.named_children():
+            if type(child).__name__.endswith("Block"):
+                w = _CheckpointedBlock(child)
+                setattr(module, name, w)
+                wrapped.append(w)
+            else:
+                visit(child)
+    visit(model)
+    if not wrapped:
+        raise ValueError(f"{type(model).__name__}: no '*Block' modules to checkpoint")
+    return wrapped
+
+
+def build(cfg: Config) -> tuple[nn.Module, list]:
+    from . import create_model
+
+    model = create_model(cfg.model, ms_policy=_mode_policy(cfg.mode), img_size=cfg.input_size,
+                         num_classes=cfg.num_classes)
+    wrapped = checkpoint_blocks(model) if cfg.mode.endswith("ckpt") else []
+    return model.to(cfg.device).train(), wrapped
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _unique_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def measure(cfg: Config) -> Record:
+    """Run one configuration in this process and return its record."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(0)
+    dev = cfg.device
+    amp = PRECISIONS[cfg.precision]
+    model, wrapped = build(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x = torch.randn(cfg.batch, 3, cfg.input_size, cfg.input_size, device=dev)
+    y = torch.randint(0, cfg.num_classes, (cfg.batch,), device=dev)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        with torch.autocast(torch.device(dev).type, dtype=amp, enabled=amp is not None):
+            out = model(x)
+            out = out[0] if isinstance(out, tuple) else out
+            loss = loss_fn(out.float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = _rss_bytes()
+    times = []
+    try:
+        for i in range(cfg.warmup + cfg.steps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            step()
+            _sync(dev)
+            if i >= cfg.warmup:
+                times.append(time.perf_counter() - t0)
+    except torch.cuda.OutOfMemoryError:
+        return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, 0, 0,
+                      float("nan"), oom=True)
+    if dev.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated()
+    else:  # the training peak above the loaded model: RSS high-water mark minus RSS before step 1
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+    with ms.SavedActivationMeter(model) as meter:
+        with torch.autocast(torch.device(dev).type, dtype=amp, enabled=amp is not None):
+            out = model(x)
+    saved = meter.total_bytes + _unique_bytes(t for w in wrapped for t in w.stored_inputs)
+    del out
+    return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, saved,
+                  int(peak), statistics.median(times) if times else float("nan"),
+                  by_type=dict(meter.by_type))
+
+
+def run_in_worker(cfg: Config, timeout: float | None = None) -> Record:
+    """``measure`` in a fresh Python process (so peak RSS belongs to this configuration)."""
+    cmd = [sys.executable, "-m", "models.benchmark", json.dumps(asdict(cfg))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"benchmark worker failed for {cfg}:\n{proc.stderr[-3000:]}")
+    return Record(**json.loads(lines[-1]))
+
+
+def largest_batch(cfg: Config, budget_bytes: int, max_batch: int = 4096, worker=run_in_worker) -> int:
+    """Largest batch whose peak memory fits ``budget_bytes`` (0 if even batch 1 does not)."""
+    def fits(b):
+        r = worker(Config(**{**asdict(cfg), "batch": b, "steps": 1, "warmup": 0}))
+        return not r.oom and r.peak_bytes <= budget_bytes
+
+    lo, hi = 0, 1
+    while hi <= max_batch and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_batch + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
+    """One row per (model, mode) with ratios to the model's ``exact`` row."""
+    exact = {(r.model, r.precision): r for r in records if r.mode == "exact"}
+    cols = ["model", "mode", "precision", "batch", "saved MiB", "saved x", "peak MiB", "peak x",
+            "step s", "time x"] + (["max batch", "batch x"] if budgets else [])
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        e = exact.get((r.model, r.precision))
+
+        def ratio(a, b):
+            return f"{a / b:.3f}" if e is not None and b else "-"
+        row = [r.model, r.mode, r.precision, str(r.batch), f"{r.saved_bytes / 2**20:.1f}",
+               ratio(r.saved_bytes, e.saved_bytes if e else 0), f"{r.peak_bytes / 2**20:.0f}",
+               ratio(r.peak_bytes, e.peak_bytes if e else 0), f"{r.step_time_s:.3f}",
+               ratio(r.step_time_s, e.step_time_s if e else 0)]
+        if budgets:
+            b = budgets.get((r.model, r.mode))
+            be = budgets.get((r.model, "exact"))
+            row += [str(b) if b is not None else "-",
+                    f"{b / be:.2f}" if b is not None and be else "-"]
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+def plot(records: list[Record], path: str) -> None:
+    """Bar charts of peak memory and step time per mode, one group of bars per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in records))
+    modes = list(dict.fromkeys(r.mode for r in records))
+    by = {(r.model, r.mode): r for r in records}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / max(1, len(modes))
+    for ax, key, label in zip(axes, ("saved_bytes", "peak_bytes", "step_time_s"),
+                              ("saved activations (MiB)", "peak memory (MiB)", "step time (s)")):
+        for j, md in enumerate(modes):
+            vals = []
+            for m in models:
+                r = by.get((m, md))
+                v = getattr(r, key) if r else float("nan")
+                vals.append(v / 2**20 if key != "step_time_s" else v)
+            ax.bar([i + j * width for i in range(len(models))], vals, width, label=md)
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(models))])
+        ax.set_xticklabels(models, rotation=15, fontsize=8)
+        ax.set_title(label)
+    axes[0].legend(fontsize=8)
+    r0 = records[0]
+    fig.suptitle(f"Mesa benchmark: batch {r0.batch}, {r0.input_size}px, {r0.precision}, {r0.device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # worker entry: python -m models.benchmark '<Config json>'
+    rec = measure(Config(**json.loads(sys.argv[1])))
+    print(json.dumps(asdict(rec)))

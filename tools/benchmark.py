@@ -1,0 +1,72 @@
+"""Memory and speed of whole models, exact vs Mesa vs activation checkpointing, side by side.
+
+    .venv/bin/python tools/benchmark.py --model deit_tiny_patch16_224 --batch-size 4 \
+        --modes exact,mesa8,ckpt --steps 3 --json bench.json --plot bench.png
+Each configuration runs in a fresh worker process (peak RSS on CPU is then its own).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+from dataclasses import asdict
+
+import torch
+from tqdm import tqdm
+
+from models import benchmark as B
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=["deit_tiny_patch16_224"],
+                    help="registered model name(s) (see models.list_models())")
+    ap.add_argument("--modes", default="exact,mesa8,mesa4,mesa2,ckpt,mesa8+ckpt")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--input-size", type=int, default=224)
+    ap.add_argument("--precision", choices=sorted(B.PRECISIONS), default="fp32")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (median) after --warmup")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--budget-gb", type=float, default=0.0,
+                    help="also search the largest batch whose peak memory fits this budget")
+    ap.add_argument("--max-batch", type=int, default=2048)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--csv", default="")
+    ap.add_argument("--plot", default="", help="PNG path for memory/time bar charts")
+    args = ap.parse_args(argv)
+
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in B.MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {', '.join(B.MODES)}")
+    configs = [B.Config(m, md, args.batch_size, args.input_size, args.precision, args.steps,
+                        args.warmup, args.device) for m in args.model for md in modes]
+    records, budgets = [], {}
+    for cfg in tqdm(configs, desc="configurations", file=sys.stderr):
+        records.append(B.run_in_worker(cfg))
+        if args.budget_gb:
+            budgets[(cfg.model, cfg.mode)] = B.largest_batch(cfg, int(args.budget_gb * 2**30),
+                                                             args.max_batch)
+    print(f"# {platform.processor() or platform.machine()} {args.device}, torch {torch.__version__}, "
+          f"batch {args.batch_size}, {args.input_size}px, {args.precision}, median of {args.steps} steps"
+          + (f", budget {args.budget_gb} GB" if args.budget_gb else ""))
+    print(B.markdown_table(records, budgets or None))
+    rows = [dict(asdict(r), largest_batch=budgets.get((r.model, r.mode))) for r in records]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=1)
+    if args.csv:
+        keys = [k for k in rows[0] if k != "by_type"]
+        with open(args.csv, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    if args.plot:
+        B.plot(records, args.plot)
+
+
+if __name__ == "__main__":
+    main()
