@@ -1,0 +1,279 @@
+"""Checkpoint loading and saving for the models of this package.
+
+:func:`load_checkpoint` reads
+
+* the official checkpoints of DeiT, Swin and PVT (a bare state dict or ``{'model': ...}``; also
+  ``{'state_dict': ...}`` and DDP's ``module.`` prefix),
+* checkpoints of this repo (:func:`save_checkpoint`, with quantizer state),
+* checkpoints of the original Mesa code (quantizer keys ``clip_val``, ``shift``, ``iteration`` on
+  single-input layers, ``quant1.*`` / ``quant2.*`` under MatMul and Softmax),
+
+into a model, and checks every key: the only keys a checkpoint may lack are the model's Mesa
+quantizer state (reported in the returned :class:`LoadReport`) and buffers the model derives
+from its own geometry (Swin's ``relative_position_index`` / ``attn_mask``, always the model's).
+Any other missing, unexpected or mis-shaped key raises :class:`CheckpointError` naming it.
+Position embeddings and relative-position tables of another resolution / window are resized
+(the model's ``resize_checkpoint_tensor``). Files are read with ``torch.load(weights_only=True)``
+(``argparse.Namespace`` allowed, as training scripts store their args).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import logging
+import os
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mesa_ops.layers import MESA_LAYERS
+from mesa_ops.quant import QuantMixin
+
+__all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint", "read_checkpoint",
+           "extract_state_dict", "quantizer_keys", "resize_pos_embed", "resize_rel_pos_bias_table",
+           "FORMAT_NAME"]
+
+_log = logging.getLogger("models")
+FORMAT_NAME = "mesa-repro"
+FORMAT_VERSION = 1
+QUANT_BUFFERS = ("clip_val", "shift", "iteration")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit the model."""
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_checkpoint` did. ``missing_quantizer_keys``: the model's quantizer state
+    the checkpoint did not have (left at its initial value); ``ignored_quantizer_keys``: quantizer
+    state in the checkpoint for layers that are not Mesa layers in this model."""
+    source: str
+    format: str  # 'official' (no quantizer state), 'mesa' (original Mesa code / this repo), 'mesa-repro'
+    loaded_keys: list = field(default_factory=list)
+    missing_quantizer_keys: list = field(default_factory=list)
+    ignored_quantizer_keys: list = field(default_factory=list)
+    resized_keys: list = field(default_factory=list)
+    derived_keys: list = field(default_factory=list)
+    skipped_keys: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        parts = [f"loaded {len(self.loaded_keys)} tensors from {self.source} ({self.format} format)"]
+        if self.missing_quantizer_keys:
+            parts.append(f"{len(self.missing_quantizer_keys)} quantizer keys missing (initial values kept)")
+        if self.ignored_quantizer_keys:
+            parts.append(f"{len(self.ignored_quantizer_keys)} quantizer keys ignored (no Mesa layer here)")
+        if self.resized_keys:
+            parts.append(f"resized {', '.join(self.resized_keys)}")
+        if self.skipped_keys:
+            parts.append(f"skipped {', '.join(self.skipped_keys)}")
+        return "; ".join(parts)
+
+
+# ---- reading -------------------------------------------------------------------------------------
+def _is_url(s: str) -> bool:
+    return s.startswith(("http://", "https://", "file://"))
+
+
+def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True):
+    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default)."""
+    src = os.fspath(path_or_url)
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            if _is_url(src):
+                return torch.hub.load_state_dict_from_url(src, map_location=map_location, progress=False,
+                                                          weights_only=weights_only)
+            if not os.path.isfile(src):
+                raise CheckpointError(f"checkpoint not found: {src}")
+            return torch.load(src, map_location=map_location, weights_only=weights_only)
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as exc:
+        if weights_only and "Weights only load failed" in str(exc):
+            lines = [ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln]
+            raise CheckpointError(
+                f"{src}: holds objects torch.load(weights_only=True) refuses ({lines[0] if lines else exc}). "
+                "If you trust this file, pass weights_only=False.") from exc
+        raise CheckpointError(f"{src}: not a readable PyTorch checkpoint ({exc})") from exc
+    except (RuntimeError, EOFError, IndexError, KeyError, ValueError, TypeError, OSError) as exc:
+        raise CheckpointError(
+            f"{src}: not a readable PyTorch checkpoint ({type(exc).__name__}: {exc})") from exc
+
+
+def extract_state_dict(obj, source: str = "checkpoint") -> tuple[dict, dict]:
+    """(state_dict, meta) from a loaded checkpoint: a bare state dict, ``{'model': sd}`` or
+    ``{'state_dict': sd}``; the ``module.`` prefix of DDP is removed."""
+    meta = {}
+    if isinstance(obj, dict) and isinstance(obj.get("meta"), dict):
+        meta = obj["meta"]
+    sd = obj
+    for key in ("model", "state_dict"):
+        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
+            sd = sd[key]
+            break
+    if not isinstance(sd, dict) or not sd:
+        raise CheckpointError(f"{source}: holds no state dict (expected a dict of tensors, or one "
+                              f"under 'model' or 'state_dict'; got {type(obj).__name__})")
+    bad = [k for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        keys = list(obj) if isinstance(obj, dict) else []
+        raise CheckpointError(f"{source}: not a state dict; non-tensor entries {bad[:8]} "
+                              f"(top-level keys: {keys[:8]})")
+    if all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return dict(sd), meta
+
+
+# ---- resizing ------------------------------------------------------------------------------------
+def resize_pos_embed(posemb: torch.Tensor, new_grid, num_prefix_tokens: int = 1,
+                     old_grid=None) -> torch.Tensor:
+    """(1, P + h*w, C) -> (1, P + H*W, C): the grid part resized bicubically (as DeiT's fine-tuning
+    at 384px), the P prefix tokens kept."""
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
+    n = grid.shape[1]
+    if old_grid is None:
+        side = int(round(n ** 0.5))
+        old_grid = (side, side)
+    if old_grid[0] * old_grid[1] != n:
+        raise CheckpointError(f"position embedding with {n} grid tokens is not a {old_grid} grid")
+    new_grid = tuple(new_grid)
+    if tuple(old_grid) == new_grid:
+        return posemb
+    dtype = grid.dtype
+    g = grid.reshape(1, old_grid[0], old_grid[1], -1).permute(0, 3, 1, 2).float()
+    g = F.interpolate(g, size=new_grid, mode="bicubic", align_corners=False)
+    g = g.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], -1).to(dtype)
+    return torch.cat([prefix, g], dim=1)
+
+
+def resize_rel_pos_bias_table(table: torch.Tensor, new_window) -> torch.Tensor:
+    """Swin's ((2w-1)^2, H) relative position bias table resized bicubically to window
+    ``new_window`` (as the official Swin code does for fine-tuning at another window)."""
+    n, heads = table.shape
+    side = int(round(n ** 0.5))
+    if side * side != n:
+        raise CheckpointError(f"relative position table with {n} rows is not square")
+    new = (2 * new_window[0] - 1, 2 * new_window[1] - 1)
+    if (side, side) == new:
+        return table
+    t = table.permute(1, 0).reshape(1, heads, side, side).float()
+    t = F.interpolate(t, size=new, mode="bicubic", align_corners=False)
+    return t.reshape(heads, new[0] * new[1]).permute(1, 0).contiguous().to(table.dtype)
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def quantizer_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of the model's Mesa quantizer state."""
+    keys = set()
+    for name, m in model.named_modules():
+        if isinstance(m, QuantMixin):
+            keys.update(f"{name}.{b}" if name else b for b in QUANT_BUFFERS)
+    return keys
+
+
+def _looks_like_quant_key(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in QUANT_BUFFERS
+
+
+def _fmt(keys, limit=40) -> str:
+    keys = list(keys)
+    more = f"\n  ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return "\n  " + "\n  ".join(keys[:limit]) + more
+
+
+def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool = True,
+                    map_location="cpu", verbose=None) -> LoadReport:
+    """Load ``checkpoint`` (path, URL or an already loaded dict) into ``model``; see the module
+    docstring for what is accepted. ``skip``: fnmatch patterns of keys to leave at the model's
+    values (e.g. ``("head.*",)`` to fine-tune with another number of classes). Raises
+    :class:`CheckpointError` naming every key that does not fit."""
+    verbose = verbose or _log.info
+    if isinstance(checkpoint, dict):
+        source, obj = "<state dict>", checkpoint
+    else:
+        source = os.fspath(checkpoint)
+        obj = read_checkpoint(source, map_location=map_location, weights_only=weights_only)
+    sd, meta = extract_state_dict(obj, source)
+
+    own = model.state_dict()
+    qkeys = quantizer_keys(model)
+    suffixes = set(getattr(model, "derived_buffers", ()))
+    derived = {k for k in set(sd) | set(own) if k.rsplit(".", 1)[-1] in suffixes}
+    has_quant = any(_looks_like_quant_key(k) for k in sd)
+    fmt = meta.get("format") or ("mesa" if has_quant else "official")
+    report = LoadReport(source=source, format=fmt, meta=meta)
+
+    skipped = {k for k in set(sd) | set(own) if any(fnmatch.fnmatch(k, p) for p in skip)}
+    report.skipped_keys = sorted(skipped)
+    resize = getattr(model, "resize_checkpoint_tensor", None)
+    to_load, unexpected, mismatched = {}, [], []
+    for k, v in sd.items():
+        if k in skipped:
+            continue
+        if k in derived:
+            continue  # the model's own geometry decides
+        if k not in own:
+            if _looks_like_quant_key(k):
+                report.ignored_quantizer_keys.append(k)
+            else:
+                unexpected.append(k)
+            continue
+        if v.shape != own[k].shape:
+            new = resize(k, v) if resize is not None and k not in qkeys else None
+            if new is None or new.shape != own[k].shape:
+                mismatched.append(f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}")
+                continue
+            report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
+            v = new
+        to_load[k] = v
+    missing = [k for k in own if k not in to_load and k not in skipped and k not in derived]
+    report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)
+    missing_other = [k for k in missing if k not in qkeys]
+    report.derived_keys = sorted(k for k in derived if k in own)
+
+    problems = []
+    if missing_other:
+        problems.append(f"missing from the checkpoint ({len(missing_other)}):{_fmt(missing_other)}")
+    if unexpected:
+        problems.append(f"not in the model ({len(unexpected)}):{_fmt(unexpected)}")
+    if mismatched:
+        hint = ""
+        if any(k.split(":")[0] in qkeys for k in mismatched):
+            hint = ("\n(quantizer group counts differ: build the model with the quant_groups / "
+                    "quant_group_size the checkpoint was trained with, e.g. quant_group_size=32 for "
+                    "the original Swin demo)")
+        problems.append(f"shape mismatch ({len(mismatched)}):{_fmt(mismatched)}{hint}")
+    if problems:
+        raise CheckpointError(f"{source} does not fit {type(model).__name__}:\n" + "\n".join(problems))
+
+    result = model.load_state_dict(to_load, strict=False)
+    leftover = [k for k in result.missing_keys if k not in report.missing_quantizer_keys
+                and k not in skipped and k not in derived]
+    if leftover or result.unexpected_keys:  # cannot happen after the checks above
+        raise CheckpointError(f"{source}: load_state_dict left {leftover} missing and "
+                              f"{result.unexpected_keys} unexpected")
+    report.loaded_keys = sorted(to_load)
+    verbose(report.summary())
+    return report
+
+
+def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
+    """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra}``, readable
+    with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
+    layer, whether it was enabled and at how many bits."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    mesa = {name: {"enable": bool(m.enable), "bits": int(m.bits)}
+            for name, m in model.named_modules() if isinstance(m, MESA_LAYERS)}
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+            "architecture": str(cfg.get("architecture", "")), "class": type(model).__name__, "mesa": mesa}
+    obj = {"model": model.state_dict(), "meta": meta}
+    if extra:
+        clash = set(extra) & set(obj)
+        if clash:
+            raise ValueError(f"save_checkpoint: extra keys {sorted(clash)} are reserved")
+        obj.update(extra)
+    torch.save(obj, os.fspath(path))

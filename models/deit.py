@@ -1,0 +1,223 @@
+"""DeiT (Touvron et al., 2021) from Mesa layers, with the key layout of the official checkpoints
+(facebookresearch/deit): ``patch_embed.proj``, ``cls_token``, ``pos_embed``, ``blocks.N.norm1``,
+``blocks.N.attn.qkv``, ``blocks.N.attn.proj``, ``blocks.N.norm2``, ``blocks.N.mlp.fc1/fc2``,
+``norm``, ``head`` and, distilled, ``dist_token``, ``head_dist``. Mesa modules add only quantizer
+state (``clip_val``, ``shift``, ``iteration``; ``attn.mm1/mm2/softmax.quant1/quant2.*``), under
+the names of the original Mesa DeiT demo.
+
+Shapes: image (B, 3, H, W) -> tokens (B, 1 [+1] + N, C) -> logits (B, num_classes).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.nn as nn
+
+import mesa_ops as ms
+
+from .checkpoint import resize_pos_embed
+from .layers import (Attention, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
+                     trunc_normal_)
+from .registry import register_model
+
+__all__ = ["Block", "VisionTransformer"]
+
+_DEIT = "https://dl.fbaipublicfiles.com/deit/"
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block on (B, N, C): x + attn(norm1(x)); x + mlp(norm2(x))."""
+
+    def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=False, qk_scale=None, drop=0., attn_drop=0.,
+                 drop_path=0., act_layer=ms.GELU, norm_layer=ms.LayerNorm, linear_layer=ms.Linear,
+                 matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
+                 fused_attn: bool = True):
+        super().__init__()
+        self.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
+        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
+                              attn_drop=attn_drop, proj_drop=drop, linear_layer=linear_layer,
+                              matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
+                              fused_attn=fused_attn)
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer, drop=drop,
+                       num_heads=num_heads, qgroups=qgroups)
+
+    def forward(self, x):
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return x
+
+
+class VisionTransformer(nn.Module):
+    """ViT / DeiT classifier; ``distilled=True`` adds DeiT's distillation token and head.
+
+    The distilled model returns ``(head(cls), head_dist(dist))`` in training mode and their mean
+    in eval mode, as the official code does.
+
+    Args (beyond the usual ViT ones):
+        norm_layer, act_layer, linear_layer, conv_layer, matmul_layer, softmax_layer: layer classes
+            (Mesa layers by default; plain ``nn`` classes also work).
+        quant_groups, quant_group_size: Mesa groups of Linear / LayerNorm / GELU (see
+            :class:`models.layers.QuantGroups`); attention always quantizes head-wise.
+        fused_attn: use ``F.scaled_dot_product_attention`` while Mesa does not compress attention.
+    """
+
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, embed_dim=768, depth=12,
+                 num_heads=12, mlp_ratio=4., qkv_bias=True, qk_scale=None, drop_rate=0., attn_drop_rate=0.,
+                 drop_path_rate=0., distilled=False, norm_layer=partial(ms.LayerNorm, eps=1e-6),
+                 act_layer=ms.GELU, linear_layer=ms.Linear, conv_layer=ms.Conv2d, matmul_layer=ms.MatMul,
+                 softmax_layer=ms.Softmax, quant_groups="heads", quant_group_size=None, fused_attn=True):
+        super().__init__()
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.distilled = distilled
+        self.num_prefix_tokens = 2 if distilled else 1
+        self.linear_layer = linear_layer
+        self.qgroups = qg = QuantGroups(quant_groups, quant_group_size)
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, conv_layer=conv_layer)
+        num_patches = self.patch_embed.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + self.num_prefix_tokens, embed_dim))
+        self.pos_drop = nn.Dropout(p=drop_rate)
+
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        self.blocks = nn.ModuleList([
+            Block(embed_dim, num_heads, mlp_ratio, qkv_bias, qk_scale, drop_rate, attn_drop_rate, dpr[i],
+                  act_layer=act_layer, norm_layer=norm_layer, linear_layer=linear_layer,
+                  matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qg, fused_attn=fused_attn)
+            for i in range(depth)])
+        self.norm = build_layer(norm_layer, embed_dim, quant_groups=qg(embed_dim, num_heads, "norm"))
+        self.head = self._make_head(num_classes)
+        self.head_dist = self._make_head(num_classes) if distilled else None
+
+        trunc_normal_(self.pos_embed, std=.02)
+        trunc_normal_(self.cls_token, std=.02)
+        if distilled:
+            trunc_normal_(self.dist_token, std=.02)
+        self.apply(init_weights)
+
+    def _make_head(self, num_classes):
+        if num_classes <= 0:
+            return nn.Identity()
+        return build_layer(self.linear_layer, self.embed_dim, num_classes,
+                           quant_groups=self.qgroups(self.embed_dim, self.num_heads, "head"))
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        return {"pos_embed", "cls_token", "dist_token"}
+
+    def get_classifier(self):
+        return (self.head, self.head_dist) if self.distilled else self.head
+
+    def reset_classifier(self, num_classes: int):
+        """New (randomly initialised) head(s) for ``num_classes`` classes (fine-tuning)."""
+        self.num_classes = num_classes
+        self.head = self._make_head(num_classes)
+        if self.distilled:
+            self.head_dist = self._make_head(num_classes)
+        for h in (self.head, self.head_dist):
+            if h is not None:
+                h.apply(init_weights)
+
+    def forward_features(self, x):
+        """(B, 3, H, W) -> the normed prefix tokens: (B, C), or ((B, C), (B, C)) distilled."""
+        x = self.patch_embed(x)
+        B = x.shape[0]
+        prefix = [self.cls_token.expand(B, -1, -1)]
+        if self.distilled:
+            prefix.append(self.dist_token.expand(B, -1, -1))
+        x = torch.cat(prefix + [x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        for blk in self.blocks:
+            x = blk(x)
+        x = self.norm(x)
+        if self.distilled:
+            return x[:, 0], x[:, 1]
+        return x[:, 0]
+
+    def forward(self, x):
+        if not self.distilled:
+            return self.head(self.forward_features(x))
+        x, x_dist = self.forward_features(x)
+        x, x_dist = self.head(x), self.head_dist(x_dist)
+        if self.training:
+            return x, x_dist
+        return (x + x_dist) / 2
+
+    # checkpoint loading (models.checkpoint.load_checkpoint)
+    def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
+        """``pos_embed`` of another resolution resized bicubically to this one; else None."""
+        if name != "pos_embed" or value.dim() != 3 or value.shape[-1] != self.pos_embed.shape[-1]:
+            return None
+        n = value.shape[1] - self.num_prefix_tokens
+        side = math.isqrt(max(n, 0))
+        if side * side != n:
+            return None
+        return resize_pos_embed(value, self.patch_embed.grid_size, self.num_prefix_tokens, (side, side))
+
+
+_CFG = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875, interpolation="bicubic",
+            first_conv="patch_embed.proj", classifier="head", input_size=(3, 224, 224))
+_CFG_384 = dict(_CFG, input_size=(3, 384, 384), crop_pct=1.0)
+_DIST = dict(classifier=("head", "head_dist"))
+_TI = dict(patch_size=16, embed_dim=192, depth=12, num_heads=3, mlp_ratio=4, qkv_bias=True)
+_S = dict(patch_size=16, embed_dim=384, depth=12, num_heads=6, mlp_ratio=4, qkv_bias=True)
+_B = dict(patch_size=16, embed_dim=768, depth=12, num_heads=12, mlp_ratio=4, qkv_bias=True)
+
+
+@register_model(family="deit", cfg=dict(_CFG, url=_DEIT + "deit_tiny_patch16_224-a1311bcf.pth"))
+def deit_tiny_patch16_224(**kwargs):
+    """DeiT-Ti/16, 224px (5.72M parameters)."""
+    return VisionTransformer(**{**_TI, **kwargs})
+
+
+@register_model(family="deit", cfg=dict(_CFG, url=_DEIT + "deit_small_patch16_224-cd65a155.pth"))
+def deit_small_patch16_224(**kwargs):
+    """DeiT-S/16, 224px (22.05M parameters)."""
+    return VisionTransformer(**{**_S, **kwargs})
+
+
+@register_model(family="deit", cfg=dict(_CFG, url=_DEIT + "deit_base_patch16_224-b5f2ef4d.pth"))
+def deit_base_patch16_224(**kwargs):
+    """DeiT-B/16, 224px (86.57M parameters)."""
+    return VisionTransformer(**{**_B, **kwargs})
+
+
+@register_model(family="deit", cfg=dict(_CFG_384, url=_DEIT + "deit_base_patch16_384-8de9b5d1.pth"))
+def deit_base_patch16_384(**kwargs):
+    """DeiT-B/16, 384px (86.86M parameters)."""
+    return VisionTransformer(**{**_B, "img_size": 384, **kwargs})
+
+
+@register_model(family="deit",
+                cfg=dict(_CFG, **_DIST, url=_DEIT + "deit_tiny_distilled_patch16_224-b40b3cf7.pth"))
+def deit_tiny_distilled_patch16_224(**kwargs):
+    """DeiT-Ti/16 with distillation token, 224px."""
+    return VisionTransformer(**{**_TI, "distilled": True, **kwargs})
+
+
+@register_model(family="deit",
+                cfg=dict(_CFG, **_DIST, url=_DEIT + "deit_small_distilled_patch16_224-649709d9.pth"))
+def deit_small_distilled_patch16_224(**kwargs):
+    """DeiT-S/16 with distillation token, 224px."""
+    return VisionTransformer(**{**_S, "distilled": True, **kwargs})
+
+
+@register_model(family="deit",
+                cfg=dict(_CFG, **_DIST, url=_DEIT + "deit_base_distilled_patch16_224-df68dfff.pth"))
+def deit_base_distilled_patch16_224(**kwargs):
+    """DeiT-B/16 with distillation token, 224px."""
+    return VisionTransformer(**{**_B, "distilled": True, **kwargs})
+
+
+@register_model(family="deit",
+                cfg=dict(_CFG_384, **_DIST, url=_DEIT + "deit_base_distilled_patch16_384-d0272ac0.pth"))
+def deit_base_distilled_patch16_384(**kwargs):
+    """DeiT-B/16 with distillation token, 384px."""
+    return VisionTransformer(**{**_B, "img_size": 384, "distilled": True, **kwargs})

@@ -1,0 +1,236 @@
+"""Building blocks shared by the DeiT, Swin and PVT models, made of ``mesa_ops`` layers.
+
+Every block takes its layer classes as arguments (``linear_layer``, ``norm_layer``, ``act_layer``,
+``conv_layer``, ``matmul_layer``, ``softmax_layer``), as timm does; the defaults are the Mesa
+layers, which behave exactly like their ``nn`` counterparts until a policy enables them. Plain
+``nn`` classes work too: the quantization-group argument is passed only to layers that take it.
+
+Shapes: tokens (B, N, C); attention tensors (B, H, N, D) with D = C / H. Mesa groups: one group
+per head for q@k^T, softmax and attn@v (the paper's head-wise quantization); for the other layers
+:class:`QuantGroups` decides (by default also one group per head of the block).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.layers import DropPath, to_2tuple, trunc_normal_
+
+import mesa_ops as ms
+
+__all__ = ["QuantGroups", "build_layer", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+           "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
+
+
+@dataclass(frozen=True)
+class QuantGroups:
+    """Number of Mesa quantization groups for an activation with ``channels`` channels.
+
+    ``groups='heads'`` (default): one group per attention head of the block (the original DeiT
+    demo); ``groups=<int>``: that many groups everywhere; ``group_size=<int>``: channels // size
+    groups (the original Swin demo uses 32). Attention tensors always use one group per head.
+    """
+    groups: int | str = "heads"
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.group_size is not None and (int(self.group_size) != self.group_size or self.group_size < 1):
+            raise ValueError(f"quant_group_size must be a positive integer, got {self.group_size!r}")
+        if self.groups != "heads" and (not isinstance(self.groups, int) or self.groups < 1):
+            raise ValueError(f"quant_groups must be 'heads' or a positive integer, got {self.groups!r}")
+
+    def __call__(self, channels: int, num_heads: int = 1, where: str = "") -> int:
+        if self.group_size:
+            if channels % self.group_size:
+                raise ValueError(f"{where or 'layer'}: quant_group_size={self.group_size} does not "
+                                 f"divide its {channels} channels")
+            return channels // self.group_size
+        g = num_heads if self.groups == "heads" else self.groups
+        if channels % g:
+            raise ValueError(f"{where or 'layer'}: {g} quantization groups do not divide its "
+                             f"{channels} channels")
+        return g
+
+
+def accepts_kwarg(layer, name: str) -> bool:
+    """Whether calling ``layer`` (a class or functools.partial) takes keyword ``name``."""
+    try:
+        params = inspect.signature(layer).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
+def build_layer(layer, *args, quant_groups: int | None = None, **kwargs) -> nn.Module:
+    """``layer(*args, **kwargs)``, adding ``quant_groups`` when the layer takes it."""
+    if quant_groups is not None and accepts_kwarg(layer, "quant_groups"):
+        kwargs["quant_groups"] = quant_groups
+    return layer(*args, **kwargs)
+
+
+def init_weights(m: nn.Module) -> None:
+    """The DeiT / Swin / PVT init: Linear weights trunc_normal(0.02), biases 0, LayerNorm 1/0."""
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.constant_(m.bias, 0)
+    elif isinstance(m, nn.LayerNorm):
+        if m.bias is not None:
+            nn.init.constant_(m.bias, 0)
+        if m.weight is not None:
+            nn.init.constant_(m.weight, 1.0)
+
+
+class Mlp(nn.Module):
+    """fc1 -> act -> drop -> fc2 -> drop on (B, N, C_in) -> (B, N, C_out)."""
+
+    def __init__(self, in_features, hidden_features=None, out_features=None, act_layer=ms.GELU,
+                 linear_layer=ms.Linear, drop=0., num_heads=1, qgroups: QuantGroups = QuantGroups()):
+        super().__init__()
+        out_features = out_features or in_features
+        hidden_features = hidden_features or in_features
+        self.fc1 = build_layer(linear_layer, in_features, hidden_features,
+                               quant_groups=qgroups(in_features, num_heads, "mlp.fc1"))
+        self.act = build_layer(act_layer, quant_groups=qgroups(hidden_features, num_heads, "mlp.act"))
+        self.fc2 = build_layer(linear_layer, hidden_features, out_features,
+                               quant_groups=qgroups(hidden_features, num_heads, "mlp.fc2"))
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        x = self.act(x)
+        x = self.drop(x)
+        x = self.fc2(x)
+        x = self.drop(x)
+        return x
+
+
+def _enabled(m: nn.Module) -> bool:
+    return bool(getattr(m, "enable", False))
+
+
+class AttentionOps(nn.Module):
+    """Base of the attention modules: owns ``mm1`` (q @ k^T), ``softmax``, ``attn_drop`` and
+    ``mm2`` (attn @ v) under the original Mesa code's names, and runs them in :meth:`attend`.
+
+    With ``fused_attn`` the product runs as ``F.scaled_dot_product_attention`` unless Mesa would
+    compress one of mm1 / softmax / mm2 (enabled, training, grad on): then the explicit path runs
+    them as Mesa modules (forward output bit-identical to the explicit path with Mesa off).
+    """
+
+    def init_attention_ops(self, num_heads: int, scale: float, attn_drop: float = 0.,
+                           matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, fused_attn: bool = True):
+        self.num_heads = num_heads
+        self.scale = scale
+        self.fused_attn = fused_attn
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.mm1 = build_layer(matmul_layer, quant_groups=num_heads)
+        self.mm2 = build_layer(matmul_layer, quant_groups=num_heads)
+        self.softmax = build_layer(softmax_layer, dim=-1, quant_groups=num_heads)
+
+    def uses_fused(self) -> bool:
+        """Whether the next forward takes the SDPA path."""
+        if not self.fused_attn:
+            return False
+        if self.training and torch.is_grad_enabled():
+            return not (_enabled(self.mm1) or _enabled(self.softmax) or _enabled(self.mm2))
+        return True
+
+    def attend(self, q, k, v, bias=None, mask=None):
+        """softmax(q k^T * scale + bias + mask) v.
+
+        Args:
+            q: (B, H, N, D); k, v: (B, H, M, D).
+            bias: optional (H, N, M), added for every batch item (Swin's relative position bias).
+            mask: optional (W, N, M) with B = B' * W, added per window (Swin's shifted windows).
+        Returns:
+            (B, H, N, D).
+        """
+        if self.uses_fused():
+            drop = self.attn_drop.p if self.training else 0.
+            if mask is None:
+                am = None if bias is None else bias.unsqueeze(0).to(q.dtype)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=am, dropout_p=drop,
+                                                      scale=self.scale)
+            B, H, N, D = q.shape
+            W = mask.shape[0]
+            am = mask.unsqueeze(1) if bias is None else bias.unsqueeze(0) + mask.unsqueeze(1)
+            shape5 = (B // W, W, H)
+            out = F.scaled_dot_product_attention(
+                q.reshape(*shape5, N, D), k.reshape(*shape5, *k.shape[-2:]),
+                v.reshape(*shape5, *v.shape[-2:]), attn_mask=am.to(q.dtype), dropout_p=drop,
+                scale=self.scale)
+            return out.reshape(B, H, N, D)
+        q = q * self.scale
+        attn = self.mm1(q, k.transpose(-2, -1))
+        if bias is not None:
+            attn = attn + bias.unsqueeze(0)
+        if mask is not None:
+            B, H, N, M = attn.shape
+            W = mask.shape[0]
+            attn = attn.view(B // W, W, H, N, M) + mask.unsqueeze(1).unsqueeze(0)
+            attn = attn.view(-1, H, N, M)
+        attn = self.softmax(attn)
+        attn = self.attn_drop(attn)
+        return self.mm2(attn, v)
+
+
+class Attention(AttentionOps):
+    """Multi-head self-attention of ViT / DeiT: (B, N, C) -> (B, N, C); parameters ``qkv``, ``proj``."""
+
+    def __init__(self, dim, num_heads=8, qkv_bias=False, qk_scale=None, attn_drop=0., proj_drop=0.,
+                 linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.qkv = build_layer(linear_layer, dim, dim * 3, bias=qkv_bias,
+                               quant_groups=qgroups(dim, num_heads, "attn.qkv"))
+        self.proj = build_layer(linear_layer, dim, dim, quant_groups=qgroups(dim, num_heads, "attn.proj"))
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop,
+                                matmul_layer, softmax_layer, fused_attn)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        x = self.attend(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+
+class PatchEmbed(nn.Module):
+    """Image (B, C_in, H, W) -> tokens (B, N, C) by a stride-``patch_size`` conv ``proj``, then
+    an optional ``norm``; N = (H // p) * (W // p). ``strict_img_size`` checks H, W == img_size."""
+
+    def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None,
+                 conv_layer=ms.Conv2d, conv_groups: int = 1, norm_groups: int = 1,
+                 strict_img_size: bool = True):
+        super().__init__()
+        self.img_size = to_2tuple(img_size)
+        self.patch_size = to_2tuple(patch_size)
+        self.grid_size = (self.img_size[0] // self.patch_size[0], self.img_size[1] // self.patch_size[1])
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+        self.strict_img_size = strict_img_size
+        self.proj = build_layer(conv_layer, in_chans, embed_dim, kernel_size=self.patch_size,
+                                stride=self.patch_size, quant_groups=conv_groups)
+        if norm_layer is not None:
+            self.norm = build_layer(norm_layer, embed_dim, quant_groups=norm_groups)
+        else:
+            self.norm = None
+
+    def forward(self, x):
+        _, _, H, W = x.shape
+        if self.strict_img_size and (H, W) != self.img_size:
+            raise ValueError(f"input image size ({H}x{W}) does not match the model's img_size "
+                             f"{self.img_size[0]}x{self.img_size[1]}; build the model with "
+                             f"img_size=({H}, {W})")
+        x = self.proj(x).flatten(2).transpose(1, 2)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x

@@ -1,0 +1,157 @@
+"""Model registry: ``create_model``, ``list_models``, and the same models in timm's registry.
+
+    model = models.create_model("deit_small_patch16_224", pretrained="deit_small.pth",
+                                ms_policy="configs/mesa/mesa_8bit.txt")
+
+Each model is also registered with timm as ``mesa_<name>`` (``timm.create_model(
+"mesa_deit_small_patch16_224")``); timm's own entries are never overwritten (a clash raises).
+
+``ms_policy``: None / False / "off" (Mesa layers stay disabled: the model computes exactly as
+plain ``nn``), "mesa8" / "mesa4" / "mesa2" (``fc, matmul, gelu, layernorm, softmax`` at that
+many bits, as ``configs/mesa/mesa_<b>bit.txt``), a policy file path (``ms.policy.deploy_on_init``)
+or a dict of :func:`mesa_ops.policy.set_mesa` arguments (e.g. ``{"bits": 4, "tags": ["fc"]}``).
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.nn as nn
+
+import mesa_ops as ms
+
+__all__ = ["register_model", "create_model", "list_models", "is_model", "apply_policy",
+           "model_entry", "TIMM_PREFIX", "MESA_TAGS"]
+
+_log = logging.getLogger("models")
+TIMM_PREFIX = "mesa_"
+MESA_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax")
+_SHORTHANDS = {"mesa8": 8, "mesa4": 4, "mesa2": 2}
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    fn: Callable[..., nn.Module]
+    family: str
+    cfg: dict = field(default_factory=dict)
+
+
+_MODELS: dict[str, ModelEntry] = {}
+
+
+def register_model(fn=None, *, family: str = "", cfg: dict | None = None):
+    """Decorator registering a model builder ``fn(**kwargs) -> nn.Module`` under ``fn.__name__``
+    (here and, as ``mesa_<name>``, in timm). ``cfg``: timm-style pretrained config (``url``,
+    ``input_size``, ``mean``, ``std``, ``crop_pct``, ...)."""
+    def wrap(f):
+        name = f.__name__
+        if name in _MODELS and _MODELS[name].fn is not f:
+            raise ValueError(f"model {name!r} is already registered (by {_MODELS[name].fn.__module__})")
+        _MODELS[name] = ModelEntry(name, f, family, dict(cfg or {}))
+        _register_with_timm(name)
+        return f
+    return wrap(fn) if fn is not None else wrap
+
+
+def is_model(name: str) -> bool:
+    return _strip(name) in _MODELS
+
+
+def list_models(pattern: str = "*", family: str | None = None) -> list[str]:
+    """Registered names matching the fnmatch ``pattern`` (and ``family``: deit, swin, pvt)."""
+    return sorted(n for n, e in _MODELS.items()
+                  if fnmatch.fnmatch(n, pattern) and (family is None or e.family == family))
+
+
+def model_entry(name: str) -> ModelEntry:
+    key = _strip(name)
+    if key not in _MODELS:
+        close = fnmatch.filter(_MODELS, f"*{key.split('_')[0]}*")[:8]
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(close or list_models())}")
+    return _MODELS[key]
+
+
+def _strip(name: str) -> str:
+    short = name[len(TIMM_PREFIX):]
+    return short if name.startswith(TIMM_PREFIX) and short in _MODELS else name
+
+
+def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: dict | None = None,
+                 policy_verbose=None, **kwargs) -> nn.Module:
+    """Build a registered model, load weights, apply a Mesa policy.
+
+    Args:
+        name: a name from :func:`list_models` (the ``mesa_`` prefix is accepted too).
+        pretrained: None/False (random init), True (the official checkpoint's URL), or a path /
+            URL of a checkpoint (official, this repo's or the original Mesa code's), loaded by
+            :func:`models.checkpoint.load_checkpoint` with ``checkpoint_kwargs``.
+        ms_policy: see the module docstring; applied after loading.
+        policy_verbose: callable for the policy's messages (default: the ``models`` logger).
+        **kwargs: the model's constructor arguments (img_size, num_classes, drop_path_rate, ...).
+    """
+    from .checkpoint import load_checkpoint
+
+    entry = model_entry(name)
+    model = entry.fn(**kwargs)
+    cfg = dict(entry.cfg, architecture=entry.name)
+    if "img_size" in kwargs:
+        s = kwargs["img_size"]
+        hw = tuple(s) if isinstance(s, (tuple, list)) else (s, s)
+        cfg["input_size"] = (kwargs.get("in_chans", 3),) + hw
+    if "num_classes" in kwargs:
+        cfg["num_classes"] = kwargs["num_classes"]
+    model.pretrained_cfg = cfg
+    model.default_cfg = cfg
+    if pretrained is True:
+        if not cfg.get("url"):
+            raise ValueError(f"{entry.name} has no official checkpoint URL; pass pretrained=<path>")
+        pretrained = cfg["url"]
+    if pretrained:
+        load_checkpoint(model, pretrained, **(checkpoint_kwargs or {}))
+    apply_policy(model, ms_policy, verbose=policy_verbose)
+    return model
+
+
+def apply_policy(model: nn.Module, ms_policy, verbose=None) -> nn.Module:
+    """Switch Mesa on the model's layers per ``ms_policy`` (see the module docstring)."""
+    verbose = verbose or _log.info
+    if ms_policy is None or ms_policy is False or ms_policy == "off":
+        return model
+    if isinstance(ms_policy, dict):
+        ms.policy.set_mesa(model, **{"enable": True, **ms_policy})
+    elif isinstance(ms_policy, str) and ms_policy in _SHORTHANDS:
+        ms.policy.set_mesa(model, enable=True, bits=_SHORTHANDS[ms_policy], tags=MESA_TAGS)
+    elif isinstance(ms_policy, (str, os.PathLike)) and os.path.isfile(ms_policy):
+        ms.policy.deploy_on_init(model, os.fspath(ms_policy), verbose=verbose)
+    else:
+        raise ValueError(f"ms_policy={ms_policy!r}: expected None, 'off', "
+                         f"{', '.join(map(repr, _SHORTHANDS))}, a dict of ms.policy.set_mesa "
+                         "arguments or the path of an existing policy file")
+    return model
+
+
+# ---- timm --------------------------------------------------------------------------------------
+def _register_with_timm(name: str) -> None:
+    """Register ``mesa_<name>`` with timm (never over one of timm's own names)."""
+    import timm.models
+
+    timm_name = TIMM_PREFIX + name
+    if timm.models.is_model(timm_name):
+        if getattr(timm.models.model_entrypoint(timm_name), "_mesa_entrypoint", None) == name:
+            return  # already ours (module re-import)
+        raise RuntimeError(f"timm already has a model named {timm_name!r}; not overwriting it")
+
+    def entrypoint(pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
+                   **kwargs):
+        return create_model(name, pretrained=pretrained or None, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = timm_name
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = f"mesa_ops {name} (see models.create_model)."
+    entrypoint._mesa_entrypoint = name
+    globals()[timm_name] = entrypoint  # timm lists entrypoints in their module's __all__
+    timm.models.register_model(entrypoint)

@@ -1,0 +1,375 @@
+"""Swin Transformer (Liu et al., 2021) from Mesa layers, with the key layout of
+microsoft/Swin-Transformer's checkpoints: ``patch_embed.proj/norm``, ``layers.i.blocks.j.norm1``,
+``...attn.relative_position_bias_table``, ``...attn.relative_position_index``, ``...attn.qkv``,
+``...attn.proj``, ``...norm2``, ``...mlp.fc1/fc2``, ``...blocks.j.attn_mask`` (shifted blocks),
+``layers.i.downsample.reduction/norm`` (at the end of stages 0-2), ``norm``, ``head``.
+Mesa modules add quantizer state only, under the names of the original Swin-Mesa demo
+(``attn.mm1``, ``attn.mm2``, ``attn.softmax``, ``mlp.act``).
+
+The demo's quantization groups (32 channels per group) are ``quant_group_size=32``; the default
+(``quant_groups='heads'``) gives every layer of a block one group per head (head_dim is 32, so the
+two differ only for layers whose input is wider than the block: fc2, GELU, patch merging, head).
+
+Shapes: image (B, 3, H, W) -> tokens (B, H/4 * W/4, C) -> ... -> (B, H/32 * W/32, 8C) -> logits.
+Windows: (B * nW, ws*ws, C); attention (B * nW, heads, ws*ws, ws*ws).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+import mesa_ops as ms
+
+from .checkpoint import resize_pos_embed, resize_rel_pos_bias_table
+from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
+                     to_2tuple, trunc_normal_)
+from .registry import register_model
+
+__all__ = ["window_partition", "window_reverse", "WindowAttention", "SwinTransformerBlock", "PatchMerging",
+           "BasicLayer", "SwinTransformer"]
+
+
+def window_partition(x, window_size: int):
+    """(B, H, W, C) -> (B * H/ws * W/ws, ws, ws, C)."""
+    B, H, W, C = x.shape
+    x = x.view(B, H // window_size, window_size, W // window_size, window_size, C)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, window_size, window_size, C)
+
+
+def window_reverse(windows, window_size: int, H: int, W: int):
+    """(B * H/ws * W/ws, ws, ws, C) -> (B, H, W, C)."""
+    B = int(windows.shape[0] / (H * W / window_size / window_size))
+    x = windows.view(B, H // window_size, W // window_size, window_size, window_size, -1)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(B, H, W, -1)
+
+
+def relative_position_index(window_size) -> torch.Tensor:
+    """(Wh*Ww, Wh*Ww) index into the ((2Wh-1)(2Ww-1), heads) bias table (official construction)."""
+    coords = torch.stack(torch.meshgrid([torch.arange(window_size[0]), torch.arange(window_size[1])],
+                                        indexing="ij"))
+    flat = torch.flatten(coords, 1)
+    rel = (flat[:, :, None] - flat[:, None, :]).permute(1, 2, 0).contiguous()
+    rel[:, :, 0] += window_size[0] - 1
+    rel[:, :, 1] += window_size[1] - 1
+    rel[:, :, 0] *= 2 * window_size[1] - 1
+    return rel.sum(-1)
+
+
+class WindowAttention(AttentionOps):
+    """Window multi-head self-attention with relative position bias: (B*nW, N, C) -> (B*nW, N, C)."""
+
+    def __init__(self, dim, window_size, num_heads, qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0.,
+                 linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+        super().__init__()
+        self.dim = dim
+        self.window_size = window_size
+        self.relative_position_bias_table = nn.Parameter(
+            torch.zeros((2 * window_size[0] - 1) * (2 * window_size[1] - 1), num_heads))
+        self.register_buffer("relative_position_index", relative_position_index(window_size))
+        self.qkv = build_layer(linear_layer, dim, dim * 3, bias=qkv_bias,
+                               quant_groups=qgroups(dim, num_heads, "attn.qkv"))
+        self.proj = build_layer(linear_layer, dim, dim, quant_groups=qgroups(dim, num_heads, "attn.proj"))
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop, matmul_layer,
+                                softmax_layer, fused_attn)
+        trunc_normal_(self.relative_position_bias_table, std=.02)
+
+    def relative_position_bias(self):
+        """(heads, N, N) with N = Wh * Ww."""
+        n = self.window_size[0] * self.window_size[1]
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).contiguous()
+
+    def forward(self, x, mask=None):
+        """x (B*nW, N, C); mask (nW, N, N) of 0 / -100 or None."""
+        B_, N, C = x.shape
+        qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        x = self.attend(q, k, v, bias=self.relative_position_bias(), mask=mask)
+        x = x.transpose(1, 2).reshape(B_, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, window_size={self.window_size}, num_heads={self.num_heads}"
+
+
+class SwinTransformerBlock(nn.Module):
+    """(Shifted) window attention + MLP on (B, H*W, C) at a fixed ``input_resolution``."""
+
+    def __init__(self, dim, input_resolution, num_heads, window_size=7, shift_size=0, mlp_ratio=4.,
+                 qkv_bias=True, qk_scale=None, drop=0., attn_drop=0., drop_path=0., act_layer=ms.GELU,
+                 norm_layer=ms.LayerNorm, linear_layer=ms.Linear, matmul_layer=ms.MatMul,
+                 softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+        super().__init__()
+        self.dim = dim
+        self.input_resolution = input_resolution
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.shift_size = shift_size
+        self.mlp_ratio = mlp_ratio
+        if min(self.input_resolution) <= self.window_size:
+            # window as large as the input: no partition, no shift (official behaviour)
+            self.shift_size = 0
+            self.window_size = min(self.input_resolution)
+        if not 0 <= self.shift_size < self.window_size:
+            raise ValueError(f"shift_size {self.shift_size} must be in [0, window_size={self.window_size})")
+        H, W = self.input_resolution
+        if H % self.window_size or W % self.window_size:
+            raise ValueError(f"input resolution {H}x{W} is not divisible by window_size {self.window_size}; "
+                             f"pick img_size / window_size so that each stage's resolution is")
+
+        self.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
+        self.attn = WindowAttention(dim, to_2tuple(self.window_size), num_heads, qkv_bias, qk_scale,
+                                    attn_drop, drop, linear_layer=linear_layer, matmul_layer=matmul_layer,
+                                    softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn)
+        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer, drop=drop,
+                       num_heads=num_heads, qgroups=qgroups)
+        self.register_buffer("attn_mask", self._attn_mask() if self.shift_size > 0 else None)
+
+    def _attn_mask(self):
+        """(nW, N, N): 0 within a shifted window's own region, -100 across regions (official)."""
+        H, W = self.input_resolution
+        img_mask = torch.zeros((1, H, W, 1))
+        slices = (slice(0, -self.window_size), slice(-self.window_size, -self.shift_size),
+                  slice(-self.shift_size, None))
+        cnt = 0
+        for h in slices:
+            for w in slices:
+                img_mask[:, h, w, :] = cnt
+                cnt += 1
+        ws = self.window_size
+        mask_windows = window_partition(img_mask, ws).view(-1, ws * ws)
+        attn_mask = mask_windows.unsqueeze(1) - mask_windows.unsqueeze(2)
+        return attn_mask.masked_fill(attn_mask != 0, float(-100.0)).masked_fill(attn_mask == 0, float(0.0))
+
+    def forward(self, x):
+        H, W = self.input_resolution
+        B, L, C = x.shape
+        if L != H * W:
+            raise ValueError(f"expected {H * W} tokens ({H}x{W}), got {L}")
+        shortcut = x
+        x = self.norm1(x).view(B, H, W, C)
+        if self.shift_size > 0:
+            x = torch.roll(x, shifts=(-self.shift_size, -self.shift_size), dims=(1, 2))
+        x_windows = window_partition(x, self.window_size).view(-1, self.window_size * self.window_size, C)
+        attn_windows = self.attn(x_windows, mask=self.attn_mask)
+        attn_windows = attn_windows.view(-1, self.window_size, self.window_size, C)
+        x = window_reverse(attn_windows, self.window_size, H, W)
+        if self.shift_size > 0:
+            x = torch.roll(x, shifts=(self.shift_size, self.shift_size), dims=(1, 2))
+        x = x.view(B, H * W, C)
+        x = shortcut + self.drop_path(x)
+        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, input_resolution={self.input_resolution}, num_heads={self.num_heads}, "
+                f"window_size={self.window_size}, shift_size={self.shift_size}, mlp_ratio={self.mlp_ratio}")
+
+
+class PatchMerging(nn.Module):
+    """(B, H*W, C) -> (B, H/2*W/2, 2C): 2x2 neighbours concatenated, ``norm`` (4C), ``reduction``."""
+
+    def __init__(self, input_resolution, dim, norm_layer=ms.LayerNorm, linear_layer=ms.Linear, num_heads=1,
+                 qgroups: QuantGroups = QuantGroups()):
+        super().__init__()
+        self.input_resolution = input_resolution
+        self.dim = dim
+        self.reduction = build_layer(linear_layer, 4 * dim, 2 * dim, bias=False,
+                                     quant_groups=qgroups(4 * dim, num_heads, "downsample.reduction"))
+        self.norm = build_layer(norm_layer, 4 * dim,
+                                quant_groups=qgroups(4 * dim, num_heads, "downsample.norm"))
+
+    def forward(self, x):
+        H, W = self.input_resolution
+        B, L, C = x.shape
+        if L != H * W or H % 2 or W % 2:
+            raise ValueError(f"patch merging needs {H * W} tokens of an even grid {H}x{W}, got {L}")
+        x = x.view(B, H, W, C)
+        x0, x1 = x[:, 0::2, 0::2, :], x[:, 1::2, 0::2, :]
+        x2, x3 = x[:, 0::2, 1::2, :], x[:, 1::2, 1::2, :]
+        x = torch.cat([x0, x1, x2, x3], -1)
+        x = x.view(B, -1, 4 * C)
+        x = self.norm(x)
+        x = self.reduction(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"input_resolution={self.input_resolution}, dim={self.dim}"
+
+
+class BasicLayer(nn.Module):
+    """One stage: ``depth`` blocks (shift 0, ws/2, 0, ...) then an optional ``downsample``."""
+
+    def __init__(self, dim, input_resolution, depth, num_heads, window_size, mlp_ratio=4., qkv_bias=True,
+                 qk_scale=None, drop=0., attn_drop=0., drop_path=0., norm_layer=ms.LayerNorm,
+                 act_layer=ms.GELU, linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
+                 downsample=None,
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True, use_checkpoint: bool = False):
+        super().__init__()
+        self.dim = dim
+        self.input_resolution = input_resolution
+        self.depth = depth
+        self.use_checkpoint = use_checkpoint
+        self.blocks = nn.ModuleList([
+            SwinTransformerBlock(dim, input_resolution, num_heads, window_size,
+                                 0 if i % 2 == 0 else window_size // 2, mlp_ratio, qkv_bias, qk_scale, drop,
+                                 attn_drop, drop_path[i] if isinstance(drop_path, (list, tuple))
+                                 else drop_path,
+                                 act_layer=act_layer, norm_layer=norm_layer, linear_layer=linear_layer,
+                                 matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
+                                 fused_attn=fused_attn)
+            for i in range(depth)])
+        if downsample is not None:
+            self.downsample = downsample(input_resolution, dim=dim, norm_layer=norm_layer,
+                                         linear_layer=linear_layer, num_heads=num_heads, qgroups=qgroups)
+        else:
+            self.downsample = None
+
+    def forward(self, x):
+        for blk in self.blocks:
+            if self.use_checkpoint and self.training:
+                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
+            else:
+                x = blk(x)
+        if self.downsample is not None:
+            x = self.downsample(x)
+        return x
+
+
+class SwinTransformer(nn.Module):
+    """Swin classifier (official constructor arguments, plus the layer classes, ``quant_groups``,
+    ``quant_group_size`` and ``fused_attn`` as in :class:`models.deit.VisionTransformer`)."""
+
+    derived_buffers = ("relative_position_index", "attn_mask")
+
+    def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dim=96,
+                 depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4., qkv_bias=True,
+                 qk_scale=None, drop_rate=0., attn_drop_rate=0., drop_path_rate=0.1, norm_layer=ms.LayerNorm,
+                 act_layer=ms.GELU, linear_layer=ms.Linear, conv_layer=ms.Conv2d, matmul_layer=ms.MatMul,
+                 softmax_layer=ms.Softmax, ape=False, patch_norm=True, use_checkpoint=False,
+                 quant_groups="heads", quant_group_size=None, fused_attn=True):
+        super().__init__()
+        self.num_classes = num_classes
+        self.num_layers = len(depths)
+        self.embed_dim = embed_dim
+        self.ape = ape
+        self.patch_norm = patch_norm
+        self.num_features = int(embed_dim * 2 ** (self.num_layers - 1))
+        self.mlp_ratio = mlp_ratio
+        self.window_size = window_size
+        self.linear_layer = linear_layer
+        self.qgroups = qg = QuantGroups(quant_groups, quant_group_size)
+        self.last_heads = num_heads[-1]
+
+        self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim,
+                                      norm_layer=norm_layer if patch_norm else None, conv_layer=conv_layer,
+                                      norm_groups=qg(embed_dim, num_heads[0], "patch_embed.norm"))
+        self.patches_resolution = pr = self.patch_embed.grid_size
+        if ape:
+            self.absolute_pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
+            trunc_normal_(self.absolute_pos_embed, std=.02)
+        self.pos_drop = nn.Dropout(p=drop_rate)
+
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        self.layers = nn.ModuleList()
+        for i in range(self.num_layers):
+            self.layers.append(BasicLayer(
+                int(embed_dim * 2 ** i), (pr[0] // (2 ** i), pr[1] // (2 ** i)), depths[i], num_heads[i],
+                window_size, mlp_ratio, qkv_bias, qk_scale, drop_rate, attn_drop_rate,
+                dpr[sum(depths[:i]):sum(depths[:i + 1])], norm_layer=norm_layer, act_layer=act_layer,
+                linear_layer=linear_layer, matmul_layer=matmul_layer, softmax_layer=softmax_layer,
+                downsample=PatchMerging if i < self.num_layers - 1 else None,
+                qgroups=qg, fused_attn=fused_attn, use_checkpoint=use_checkpoint))
+        self.norm = build_layer(norm_layer, self.num_features,
+                                quant_groups=qg(self.num_features, self.last_heads, "norm"))
+        self.avgpool = nn.AdaptiveAvgPool1d(1)
+        self.head = self._make_head(num_classes)
+        self.apply(init_weights)
+
+    def _make_head(self, num_classes):
+        if num_classes <= 0:
+            return nn.Identity()
+        return build_layer(self.linear_layer, self.num_features, num_classes,
+                           quant_groups=self.qgroups(self.num_features, self.last_heads, "head"))
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        return {"absolute_pos_embed"}
+
+    @torch.jit.ignore
+    def no_weight_decay_keywords(self):
+        return {"relative_position_bias_table"}
+
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes: int):
+        self.num_classes = num_classes
+        self.head = self._make_head(num_classes)
+        self.head.apply(init_weights)
+
+    def forward_features(self, x):
+        """(B, 3, H, W) -> pooled features (B, num_features)."""
+        x = self.patch_embed(x)
+        if self.ape:
+            x = x + self.absolute_pos_embed
+        x = self.pos_drop(x)
+        for layer in self.layers:
+            x = layer(x)
+        x = self.norm(x)
+        x = self.avgpool(x.transpose(1, 2))
+        return torch.flatten(x, 1)
+
+    def forward(self, x):
+        return self.head(self.forward_features(x))
+
+    def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
+        """A relative position table of another window, resized to this block's; else None."""
+        if name.endswith("relative_position_bias_table") and value.dim() == 2:
+            attn = self.get_submodule(name.rsplit(".", 1)[0])
+            if value.shape[1] == attn.num_heads:
+                return resize_rel_pos_bias_table(value, attn.window_size)
+        if name == "absolute_pos_embed" and self.ape:
+            return resize_pos_embed(value, self.patches_resolution, 0)
+        return None
+
+
+_CFG = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.9, interpolation="bicubic",
+            first_conv="patch_embed.proj", classifier="head", input_size=(3, 224, 224))
+_SWIN = "https://github.com/SwinTransformer/storage/releases/download/v1.0.0/"
+
+
+@register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_tiny_patch4_window7_224.pth"))
+def swin_tiny_patch4_window7_224(**kwargs):
+    """Swin-T, window 7, 224px (28.29M parameters)."""
+    return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 6, 2),
+                                     num_heads=(3, 6, 12, 24)), **kwargs})
+
+
+@register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_small_patch4_window7_224.pth"))
+def swin_small_patch4_window7_224(**kwargs):
+    """Swin-S, window 7, 224px (49.61M parameters)."""
+    return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 18, 2),
+                                     num_heads=(3, 6, 12, 24)), **kwargs})
+
+
+@register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_base_patch4_window7_224.pth"))
+def swin_base_patch4_window7_224(**kwargs):
+    """Swin-B, window 7, 224px (87.77M parameters)."""
+    return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=128, depths=(2, 2, 18, 2),
+                                     num_heads=(4, 8, 16, 32)), **kwargs})
+
+
+@register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_base_patch4_window12_384.pth",
+                                        input_size=(3, 384, 384), crop_pct=1.0))
+def swin_base_patch4_window12_384(**kwargs):
+    """Swin-B, window 12, 384px (87.90M parameters)."""
+    return SwinTransformer(**{**dict(img_size=384, patch_size=4, window_size=12, embed_dim=128,
+                                     depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)), **kwargs})
