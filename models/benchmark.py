@@ -1,6 +1,8 @@
 """Memory and throughput of whole models: exact training vs Mesa vs activation checkpointing.
 
-Modes: ``exact``; ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, matmul, gelu, layernorm, softmax);
+Modes: ``exact`` (the models' default: fused ``scaled_dot_product_attention``, which keeps no
+N x N attention matrix); ``exact-explicit`` (q@k, softmax, attn@v as separate ops, the paper's
+baseline); ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, matmul, gelu, layernorm, softmax);
 ``ckpt`` (``torch.utils.checkpoint``, non-reentrant, around each top-level Transformer block);
 ``mesa8+ckpt``. For each (model, mode) one worker process builds the model, runs ``warmup +
 steps`` train steps (forward, loss, backward, SGD step) and reports:
@@ -32,7 +34,7 @@ import torch.utils.checkpoint as tckpt
 
 import mesa_ops as ms
 
-MODES = ("exact", "mesa8", "mesa4", "mesa2", "ckpt", "mesa8+ckpt")
+MODES = ("exact", "exact-explicit", "mesa8", "mesa4", "mesa2", "ckpt", "mesa8+ckpt")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -109,6 +111,10 @@ def build(cfg: Config) -> tuple[nn.Module, list]:
 
     model = create_model(cfg.model, ms_policy=_mode_policy(cfg.mode), img_size=cfg.input_size,
                          num_classes=cfg.num_classes)
+    if cfg.mode == "exact-explicit":
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = False
     wrapped = checkpoint_blocks(model) if cfg.mode.endswith("ckpt") else []
     return model.to(cfg.device).train(), wrapped
 
@@ -217,7 +223,9 @@ def largest_batch(cfg: Config, budget_bytes: int, max_batch: int = 4096, worker=
 def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
     """One row per (model, mode) with ratios to the model's ``exact`` row."""
     exact = {(r.model, r.precision): r for r in records if r.mode == "exact"}
-    cols = ["model", "mode", "precision", "batch", "saved MiB", "saved x", "peak MiB", "peak x",
+    explicit = {(r.model, r.precision): r for r in records if r.mode == "exact-explicit"}
+    cols = ["model", "mode", "precision", "batch", "saved MiB", "saved x",
+            *(["saved x explicit"] if explicit else []), "peak MiB", "peak x",
             "step s", "time x"] + (["max batch", "batch x"] if budgets else [])
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
@@ -225,8 +233,11 @@ def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
 
         def ratio(a, b):
             return f"{a / b:.3f}" if e is not None and b else "-"
+        x = explicit.get((r.model, r.precision))
         row = [r.model, r.mode, r.precision, str(r.batch), f"{r.saved_bytes / 2**20:.1f}",
-               ratio(r.saved_bytes, e.saved_bytes if e else 0), f"{r.peak_bytes / 2**20:.0f}",
+               ratio(r.saved_bytes, e.saved_bytes if e else 0),
+               *([f"{r.saved_bytes / x.saved_bytes:.3f}" if x else "-"] if explicit else []),
+               f"{r.peak_bytes / 2**20:.0f}",
                ratio(r.peak_bytes, e.peak_bytes if e else 0), f"{r.step_time_s:.3f}",
                ratio(r.step_time_s, e.step_time_s if e else 0)]
         if budgets:

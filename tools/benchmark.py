@@ -23,7 +23,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["deit_tiny_patch16_224"],
                     help="registered model name(s) (see models.list_models())")
-    ap.add_argument("--modes", default="exact,mesa8,mesa4,mesa2,ckpt,mesa8+ckpt")
+    ap.add_argument("--modes", default="exact,exact-explicit,mesa8,mesa4,mesa2,ckpt,mesa8+ckpt")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--input-size", type=int, default=224)
     ap.add_argument("--precision", choices=sorted(B.PRECISIONS), default="fp32")
