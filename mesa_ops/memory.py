@@ -67,8 +67,6 @@ class SavedActivationMeter:
     def __enter__(self):
         if self.model is not None:
             for m in self.model.modules():
-                if m is self.model and len(list(m.children())) > 0:
-                    continue
                 self._handles.append(m.register_forward_pre_hook(self._pre))
                 self._handles.append(m.register_forward_hook(self._post))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)

@@ -107,6 +107,7 @@ def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, bits: int,
     noise = uniform_noise(seed, n, x.device) if stochastic else torch.full_like(xf, 0.5)
     v = (xf - shift.float()[g]) * inv.float()[g]
     v = v + noise
+    v = torch.nan_to_num(v, nan=0.0)  # as the kernels: NaN -> code 0 (only with check_finite off)
     v = torch.clamp(v, min=0.0, max=float((1 << bits) - 1))
     return pack_codes(v.to(torch.int32), bits)
 

@@ -1,0 +1,84 @@
+"""Layer cases shared by test_layers.py and test_amp.py: each Mesa layer, its plain ``nn``
+counterpart holding the same weights, and input shapes."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import mesa_ops as ms
+
+
+class PlainMatMul(nn.Module):
+    """The ``nn`` counterpart of ms.MatMul."""
+
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+
+
+# name -> (plain layer factory, Mesa layer factory, input shapes)
+CASES = {
+    "Linear": (lambda: nn.Linear(64, 48), lambda: ms.Linear(64, 48), [(8, 16, 64)]),
+    "Conv2d": (lambda: nn.Conv2d(8, 12, 3, padding=1), lambda: ms.Conv2d(8, 12, 3, padding=1),
+               [(4, 8, 10, 10)]),
+    "LayerNorm": (lambda: nn.LayerNorm(64), lambda: ms.LayerNorm(64), [(8, 16, 64)]),
+    "GELU": (lambda: nn.GELU(), lambda: ms.GELU(), [(8, 16, 64)]),
+    "Softmax": (lambda: nn.Softmax(dim=-1), lambda: ms.Softmax(dim=-1), [(2, 4, 16, 16)]),
+    "MatMul": (PlainMatMul, ms.MatMul, [(2, 4, 16, 8), (2, 4, 8, 16)]),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(32), lambda: ms.BatchNorm2d(32), [(4, 32, 6, 6)]),
+    "ReLU": (lambda: nn.ReLU(), lambda: ms.ReLU(), [(8, 16, 64)]),
+}
+NAMES = list(CASES)
+
+
+def randomize_affine(m: nn.Module) -> None:
+    """Norm layers start at weight 1 / bias 0; give them generic values so that a wrong weight
+    or bias gradient cannot hide behind the init."""
+    with torch.no_grad():
+        for name, p in m.named_parameters(recurse=False):
+            if isinstance(m, (nn.LayerNorm, nn.BatchNorm2d)):
+                p.copy_(torch.rand_like(p) + 0.5 if name == "weight" else torch.randn_like(p))
+
+
+def make_pair(name: str, plain=None, mesa=None):
+    """(plain layer, Mesa layer) with identical parameters (separate tensors), train mode."""
+    plain_f, mesa_f, shapes = CASES[name]
+    m = (mesa or mesa_f)()
+    randomize_affine(m)
+    p = (plain or plain_f)()
+    own = p.state_dict()
+    p.load_state_dict({k: v.clone() for k, v in m.state_dict().items() if k in own})
+    m.train()
+    p.train()
+    return p, m, shapes
+
+
+def inputs(shapes, dist: str = "uniform", dtype=torch.float32, device="cpu"):
+    """Inputs drawn U[-1, 1) ('uniform') or N(0, 1) ('gauss')."""
+    if dist == "uniform":
+        return [(torch.rand(s, device=device) * 2 - 1).to(dtype) for s in shapes]
+    return [torch.randn(s, device=device).to(dtype) for s in shapes]
+
+
+def run(layer: nn.Module, xs, gy=None):
+    """Forward on leaf copies of ``xs``, backward of ``gy`` (drawn N(0,1) when None); returns
+    (output, gy, {grad name: grad}) with names x0, x1, ... and the parameter names."""
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    y = layer(*leaves)
+    if gy is None:
+        gy = torch.randn(y.shape, device=y.device).to(y.dtype)
+    y.backward(gy)
+    grads = {f"x{i}": x.grad for i, x in enumerate(leaves)}
+    grads.update({n: p.grad for n, p in layer.named_parameters()})
+    return y, gy, grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """norm(a - b) / norm(b), in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def clone_layer(m):
+    return copy.deepcopy(m)
