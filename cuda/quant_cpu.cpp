@@ -8,15 +8,95 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "quant_math.h"
 #include "quant_api.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace mesa {
 namespace {
 
 constexpr int64_t kTile = 4096;  // elements per tile; a multiple of 8 so tiles pack to whole bytes
+
+#if defined(__AVX2__)
+// AVX2 versions of the fp32 loops: the same IEEE operations in the same order as quant_math.h
+// (sub, mul, add as separate instructions; max/min with the header's operand order), so the
+// results are bit-identical to the scalar code and the reference (the tests check this).
+inline __m256i hash32_avx2(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kHashMul1)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kHashMul2)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+}
+
+inline void store_low_bytes(__m256i q, uint8_t* out) {  // byte 0 of each 32-bit lane -> 8 bytes
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(q, pick);
+  const __m128i both = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), both);
+}
+
+// Codes of n fp32 values of one group; returns how many were done (a multiple of 8).
+inline int64_t quantize_run_avx2(const float* xs, uint8_t* out, int64_t n, float iv, float sh,
+                                 float maxq, uint64_t seed, uint32_t lo0, uint32_t hi,
+                                 bool stochastic) {
+  const __m256 viv = _mm256_set1_ps(iv), vsh = _mm256_set1_ps(sh), vmax = _mm256_set1_ps(maxq);
+  const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+  const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
+  const __m256i k0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(seed)));
+  const __m256i hk = _mm256_set1_epi32(
+      static_cast<int>((hi ^ static_cast<uint32_t>(seed >> 32)) * kGolden));
+  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
+                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i eight = _mm256_set1_epi32(8);
+  int64_t e = 0;
+  for (; e + 8 <= n; e += 8) {
+    __m256 u = half;
+    if (stochastic) {
+      const __m256i h = hash32_avx2(_mm256_add_epi32(_mm256_xor_si256(idx, k0), hk));
+      u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
+      idx = _mm256_add_epi32(idx, eight);
+    }
+    __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xs + e), vsh), viv);
+    v = _mm256_add_ps(v, u);
+    v = _mm256_max_ps(v, zero);  // v > 0 ? v : 0  (NaN -> 0)
+    v = _mm256_min_ps(v, vmax);  // v < maxq ? v : maxq
+    store_low_bytes(_mm256_cvttps_epi32(v), out + e);
+  }
+  return e;
+}
+
+// Running min/max/non-finite over n fp32 values; returns how many were done.
+inline int64_t minmax_run_avx2(const float* p, int64_t n, float* lo, float* hi, uint32_t* bad) {
+  __m256 vlo = _mm256_set1_ps(*lo), vhi = _mm256_set1_ps(*hi);
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  __m256i vbad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(p + i);
+    vlo = _mm256_min_ps(v, vlo);  // v < lo ? v : lo
+    vhi = _mm256_max_ps(v, vhi);  // v > hi ? v : hi
+    const __m256i b = _mm256_and_si256(_mm256_castps_si256(v), expo);
+    vbad = _mm256_or_si256(vbad, _mm256_cmpeq_epi32(b, expo));
+  }
+  alignas(32) float l[8], h[8];
+  _mm256_store_ps(l, vlo);
+  _mm256_store_ps(h, vhi);
+  for (int j = 0; j < 8; ++j) {
+    *lo = l[j] < *lo ? l[j] : *lo;
+    *hi = h[j] > *hi ? h[j] : *hi;
+  }
+  *bad |= _mm256_testz_si256(vbad, vbad) ? 0u : 1u;
+  return i;
+}
+#endif
 
 // Calls f(begin, end, group) for the maximal runs of [begin, end) that lie in one group.
 template <typename F>
@@ -51,12 +131,22 @@ void quantize_tile(const scalar_t* __restrict__ x, uint8_t* __restrict__ codes, 
     if (bits == 1) {
       for (int64_t e = 0; e < n; ++e) out[e] = static_cast<uint8_t>(mask_one(static_cast<float>(xs[e])));
     } else if (stochastic) {
-      for (int64_t e = 0; e < n; ++e) {
+      int64_t e = 0;
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<scalar_t, float>)
+        e = quantize_run_avx2(xs, out, n, iv, sh, maxq, seed, lo0, hi, true);
+#endif
+      for (; e < n; ++e) {
         const float u = uniform_lohi(seed, lo0 + static_cast<uint32_t>(e), hi);
         out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, u, maxq));
       }
     } else {
-      for (int64_t e = 0; e < n; ++e)
+      int64_t e = 0;
+#if defined(__AVX2__)
+      if constexpr (std::is_same_v<scalar_t, float>)
+        e = quantize_run_avx2(xs, out, n, iv, sh, maxq, seed, lo0, hi, false);
+#endif
+      for (; e < n; ++e)
         out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, 0.5f, maxq));
     }
   });
@@ -210,6 +300,11 @@ at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) 
         uint32_t nf[8];
         for (int j = 0; j < 8; ++j) { lo[j] = mn[g]; hi[j] = mx[g]; nf[j] = 0; }
         int64_t i = 0;
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          i = minmax_run_avx2(reinterpret_cast<const float*>(p), inner, &lo[0], &hi[0], &nf[0]);
+        }
+#endif
         for (; i + 8 <= inner; i += 8) {
           for (int j = 0; j < 8; ++j) {
             const float v = static_cast<float>(p[i + j]);

@@ -12,19 +12,29 @@ A policy file::
 
 Numbers after ``on <tag>:`` are trigger epochs for :func:`deploy_on_epoch`. A malformed file
 raises :class:`PolicyError` naming the file, the line and what was expected.
+
+Keys: ``enable``, ``level`` (256/16/4), ``bits`` (8/4/2), ``ema_decay``, ``quant_groups``,
+``group_size``, ``stochastic``, ``range_mode`` ('ema'/'batch'), ``check_finite``; ``by_tag``
+right after ``by_index`` narrows a block to some tags, or to one quantizer of MatMul/Softmax
+(``matmul-1``/``matmul-2``, ``softmax-1``/``softmax-2``). Keys of the original code that do
+nothing here (``stable``, ``fp_forward``, ``non_negative_only``, ...) are accepted and ignored.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from . import layers as L
-from .quant import SUPPORTED_BITS, parse_groups
+from .quant import SUPPORTED_BITS, QuantMixin, parse_groups
+
+_log = logging.getLogger("mesa_ops")
 
 TAGS = ("conv", "fc", "eltwise", "shuffle", "concat", "norm", "gelu", "layernorm", "matmul",
         "softmax", "bn", "relu")  # the original's order of index assignment
+SUB_TAGS = ("matmul-1", "matmul-2", "softmax-1", "softmax-2")  # quant1/quant2 of MatMul/Softmax
 
 
 class PolicyError(ValueError):
@@ -42,22 +52,38 @@ def _bool(v):
     raise ValueError(f"expected True or False, got {v!r}")
 
 
+def _int(v) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {v!r}")
+    if isinstance(v, float):
+        if v != int(v):
+            raise ValueError(f"expected an integer, got {v!r}")
+        return int(v)
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {v!r}") from None
+
+
 def _level(v):
-    n = int(v)
-    if n not in (1 << b for b in SUPPORTED_BITS):
-        raise ValueError(f"expected 256, 16 or 4, got {v!r}")
+    n = _int(v)
+    if n not in [1 << b for b in SUPPORTED_BITS]:
+        raise ValueError(f"expected 256, 16 or 4 (8, 4 or 2 bits), got {v!r}")
     return n
 
 
 def _bits(v):
-    n = int(v)
+    n = _int(v)
     if n not in SUPPORTED_BITS:
         raise ValueError(f"expected one of {SUPPORTED_BITS}, got {v!r}")
     return n
 
 
 def _decay(v):
-    x = float(v)
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a decay in [0, 1), got {v!r}") from None
     if not 0.0 <= x < 1.0:
         raise ValueError(f"expected a decay in [0, 1), got {v!r}")
     return x
@@ -71,15 +97,20 @@ def _range_mode(v):
 
 
 def _pos_int(v):
-    return parse_groups(v)
+    n = _int(v)
+    if n < 1:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return parse_groups(n)
 
 
 KEYS = {"enable": _bool, "level": _level, "bits": _bits, "ema_decay": _decay,
         "quant_groups": _pos_int, "group_size": _pos_int, "stochastic": _bool,
         "range_mode": _range_mode, "check_finite": _bool}
-# keys of the original code that have no effect on its 8-bit path; accepted and ignored
+# keys of the original code (and of its demo projects' policies) with no effect here: the forward
+# is always the exact op (``fp_forward``), ranges are always running min/max estimates
 IGNORED_KEYS = ("stable", "correlate", "non_negative_only", "half_range", "global_buffer",
-                "progressive", "method", "quant_loss_function")
+                "progressive", "method", "quant_loss_function", "fp_forward", "level_num")
+_META_KEYS = ("by_index", "by_tag", "index", "_ignored")
 
 
 @dataclass
@@ -104,8 +135,20 @@ class Section:
     line: int
 
 
+class PolicyList(list):
+    """What :func:`read_policy` returns: the original's list ``[{'trigger': [...]}, block, ...]``
+    (equal to a plain list), remembering the section's ``tag`` so that :func:`deploy_on_epoch`
+    applies it to that tag's layers only."""
+
+    def __init__(self, items=(), tag: str | None = None, filename: str | None = None):
+        super().__init__(items)
+        self.tag = tag
+        self.filename = filename
+
+
 def parse_policy(filename: str) -> dict[str, Section]:
     """Parse a policy file into sections by tag; raise PolicyError on any malformed line."""
+    filename = os.fspath(filename)
     if not os.path.isfile(filename):
         raise PolicyError(f"policy file not found: {filename}")
     sections: dict[str, Section] = {}
@@ -115,10 +158,10 @@ def parse_policy(filename: str) -> dict[str, Section]:
     def fail(lineno, text, what):
         raise PolicyError(f"{filename}:{lineno}: {what} (line: {text.strip()!r})")
 
-    def close_block(lineno):
+    def close_block():
         if block is not None and not block.settings:
             fail(block.line, f"by_index: {block.by_index}", "a 'by_index' block sets nothing; "
-                 f"expected settings such as 'enable:' after it")
+                 "expected settings such as 'enable:' after it")
 
     with open(filename, encoding="utf-8") as f:
         lines = f.readlines()
@@ -127,43 +170,56 @@ def parse_policy(filename: str) -> dict[str, Section]:
         if not text:
             continue
         if ":" not in text:
-            fail(lineno, raw, "expected 'on <tag>:' or '<key>: <value>'")
+            fail(lineno, raw, "expected 'on <tag>:' or '<key>: <value>' (missing ':')")
         key, value = (s.strip() for s in text.split(":", 1))
         words = key.split()
         if words and words[0] == "on":
             if len(words) != 2 or words[1] not in TAGS:
                 fail(lineno, raw, f"expected 'on <tag>:' with a tag among {', '.join(TAGS)}")
-            close_block(lineno)
+            close_block()
             try:
                 trigger = [int(t) for t in value.replace(",", " ").split()]
             except ValueError:
                 fail(lineno, raw, "expected trigger epochs (integers) after 'on <tag>:'")
             if words[1] in sections:
-                fail(lineno, raw, f"section 'on {words[1]}:' appears twice")
+                fail(lineno, raw, f"section 'on {words[1]}:' appears twice (first at line "
+                     f"{sections[words[1]].line})")
             cur = Section(words[1], trigger, [], lineno)
             sections[cur.tag] = cur
             block = None
             continue
         if cur is None:
             fail(lineno, raw, "expected a section header 'on <tag>:' first")
+        if len(words) != 1:
+            fail(lineno, raw, f"expected one key before ':', got {key!r}")
         if key == "by_index":
-            close_block(lineno)
+            close_block()
             if value == "all":
                 idx = "all"
             else:
                 try:
                     idx = [int(t) for t in value.replace(",", " ").split()]
                 except ValueError:
-                    idx = []
-                if not idx:
                     fail(lineno, raw, "expected 'by_index: all' or a list of layer indices")
+                if not idx:
+                    fail(lineno, raw, "expected 'by_index: all' or a list of layer indices "
+                         "(got nothing)")
+                if any(i < 0 for i in idx):
+                    fail(lineno, raw, "expected non-negative layer indices")
             block = Block(idx, line=lineno)
             cur.blocks.append(block)
             continue
         if block is None:
             fail(lineno, raw, f"expected 'by_index:' before '{key}:' in section 'on {cur.tag}:'")
         if key == "by_tag":
-            block.by_tag = value.replace(",", " ").split()
+            if block.settings:
+                fail(lineno, raw, "expected 'by_tag:' right after 'by_index:', before the "
+                     "block's settings")
+            tags = value.replace(",", " ").split()
+            bad = [t for t in tags if t not in TAGS + SUB_TAGS]
+            if not tags or bad:
+                fail(lineno, raw, f"expected tags among {', '.join(TAGS + SUB_TAGS)}")
+            block.by_tag = tags
         elif key in KEYS:
             try:
                 block.settings[key] = KEYS[key](value)
@@ -174,57 +230,105 @@ def parse_policy(filename: str) -> dict[str, Section]:
         else:
             fail(lineno, raw, f"unknown key '{key}'; expected one of by_index, by_tag, "
                  f"{', '.join(KEYS)}")
-    close_block(len(lines))
+    close_block()
     return sections
 
 
 def read_policy(filename: str, section: str = "init", debug: bool = False, verbose=print) -> list:
-    """The original's list form of one section: ``[{'trigger': [...]}, block, block, ...]``."""
+    """The original's list form of one section: ``[{'trigger': [...]}, block, block, ...]``
+    (empty when the file has no such section)."""
     sec = parse_policy(filename).get(section)
     if sec is None:
-        return []
-    return [{"trigger": sec.trigger}] + [b.as_dict() for b in sec.blocks]
+        return PolicyList([], tag=section, filename=os.fspath(filename))
+    out = [{"trigger": sec.trigger}] + [b.as_dict() for b in sec.blocks]
+    if debug:
+        verbose(out)
+    return PolicyList(out, tag=section, filename=os.fspath(filename))
 
 
-def _matches(layer, parameters) -> bool:
-    by_index = parameters.get("by_index", "all")
-    if isinstance(by_index, str) and by_index != "all":
-        by_index = [int(i) for i in by_index.replace(",", " ").split()]
-    if by_index != "all" and layer.index not in by_index:
-        return False
-    by_tag = parameters.get("by_tag")
-    return by_tag is None or layer.tag in by_tag
+def _index_list(by_index):
+    """``by_index`` as 'all' or a list of ints (from a file, the original's strings, or code)."""
+    if isinstance(by_index, str):
+        if by_index.strip() == "all":
+            return "all"
+        by_index = by_index.replace(",", " ").split()
+    elif isinstance(by_index, int):
+        by_index = [by_index]
+    try:
+        return [_int(i) for i in by_index]
+    except (TypeError, ValueError):
+        raise PolicyError(f"by_index: expected 'all' or layer indices, got {by_index!r}") from None
+
+
+def _tag_list(by_tag):
+    if by_tag is None:
+        return None
+    if isinstance(by_tag, str):
+        return by_tag.replace(",", " ").split()
+    return [str(t) for t in by_tag]
+
+
+def _verbose(layer):
+    v = layer.__dict__.get("verbose")
+    if v is None and hasattr(layer, "quant1"):
+        v = layer.quant1.__dict__.get("verbose")
+    return v if callable(v) else _log.info
+
+
+def _apply(target, layer, parameters) -> None:
+    """Set the policy keys of ``parameters`` on ``target`` (the layer or one of its quantizers)."""
+    for key, value in parameters.items():
+        if key in _META_KEYS or key in IGNORED_KEYS:
+            continue
+        if key not in KEYS:
+            raise PolicyError(f"{layer.describe()}: unknown policy key {key!r}; expected one of "
+                              f"{', '.join(KEYS)}")
+        try:
+            value = KEYS[key](value)
+        except ValueError as exc:
+            raise PolicyError(f"{layer.describe()}: bad value for {key!r}: {exc}") from exc
+        if key == "quant_groups":
+            if value != target.quant_groups:
+                _set_groups(target, value)
+        else:
+            setattr(target, key, value)
+        name = getattr(target, "tag", layer.tag)
+        _verbose(layer)(f"update {name}_{key} to {value} for index {layer.index}")
 
 
 def update_quantization_parameter(layer, **parameters) -> dict:
-    """Apply one policy block to a Mesa layer (the original's method, validated)."""
+    """Apply one policy block to a Mesa layer (the original's method, validated).
+
+    ``index`` (an int, or a dict by tag) sets the layer's index; a block (``by_index`` with
+    settings, optionally ``by_tag``) is applied when the layer's index and tag match. For
+    MatMul/Softmax a ``by_tag`` of ``matmul-1`` etc. sets that one quantizer only."""
     if "index" in parameters:
         idx = parameters["index"]
         if isinstance(idx, dict):
             idx = idx.get(layer.tag, layer.index)
-        layer.index = int(idx)
-    if "by_index" in parameters and _matches(layer, parameters):
-        for key, value in parameters.items():
-            if key in ("by_index", "by_tag", "index", "_ignored"):
-                continue
-            if key not in KEYS:
-                raise PolicyError(f"{layer.describe()}: unknown policy key {key!r}")
-            try:
-                value = KEYS[key](value)
-            except ValueError as exc:
-                raise PolicyError(f"{layer.describe()}: bad value for {key!r}: {exc}") from exc
-            if key == "quant_groups" and value != layer.quant_groups:
-                _set_groups(layer, value)
-            else:
-                setattr(layer, key, value)
-            getattr(layer, "verbose", print)(
-                f"update {layer.tag}_{key} to {value} for index {layer.index}")
+        layer.index = _int(idx)
+    if "by_index" not in parameters:
+        return {}
+    by_index = _index_list(parameters["by_index"])
+    if by_index != "all" and layer.index not in by_index:
+        return {}
+    by_tag = _tag_list(parameters.get("by_tag"))
+    if by_tag is None or layer.tag in by_tag:
+        _apply(layer, layer, parameters)
+    elif hasattr(layer, "quant1"):
+        for q in (layer.quant1, layer.quant2):
+            if q.tag in by_tag:
+                _apply(q, layer, parameters)
     return {}
 
 
-def _set_groups(layer, g):
-    for q in (getattr(layer, "quant1", None), getattr(layer, "quant2", None)) if hasattr(layer, "quant1") else (layer,):
-        q._resize_groups(g)
+def _set_groups(target, g):
+    targets = (target.quant1, target.quant2) if hasattr(target, "quant1") else (target,)
+    for q in targets:
+        try:
+            q._resize_groups(g)
+        except ValueError as exc:
+            raise PolicyError(str(exc)) from exc
 
 
 def mesa_layers(model: nn.Module):
@@ -242,15 +346,24 @@ def assign_indices(model: nn.Module) -> dict[str, int]:
     return counts
 
 
+def _override_verbose(model: nn.Module, verbose) -> None:
+    for m in model.modules():
+        if isinstance(m, (QuantMixin,) + L.MESA_LAYERS):
+            m.verbose = verbose
+
+
 def deploy_on_init(model: nn.Module, filename: str, verbose=print, override_verbose: bool = False):
-    """Index the Mesa layers of ``model`` and apply every section of the policy ``filename``."""
+    """Index the Mesa layers of ``model`` and apply every section of the policy ``filename``:
+    section ``on <tag>:`` to the layers of that tag, its blocks in order (a later block overrides
+    an earlier one for its indices). The whole file is checked before anything is changed.
+    ``verbose`` gets a summary per section; with ``override_verbose`` it also becomes every
+    layer's ``verbose`` (per-setting messages, by default to the ``mesa_ops`` logger)."""
     if not hasattr(model, "modules"):
         return
     sections = parse_policy(filename)
-    layers_ = mesa_layers(model)
     if override_verbose:
-        for _, m in layers_:
-            m.verbose = verbose
+        _override_verbose(model, verbose)
+    layers_ = mesa_layers(model)
     counts = assign_indices(model)
     for tag, sec in sections.items():
         tagged = [m for _, m in layers_ if m.tag == tag]
@@ -269,18 +382,29 @@ def deploy_on_init(model: nn.Module, filename: str, verbose=print, override_verb
 
 
 def deploy_on_epoch(model: nn.Module, policies: list, epoch: int, optimizer=None, verbose=print):
-    """Apply a section read by :func:`read_policy` when ``epoch`` is one of its triggers."""
+    """Apply a section read by :func:`read_policy` when ``epoch`` is one of its triggers.
+
+    Unlike the original (which applied a section's blocks to the layers of every tag), a list from
+    :func:`read_policy` is applied to the layers of its section's tag only; a hand-built list
+    (no ``tag``) to all Mesa layers, as the original."""
     if not hasattr(model, "modules") or len(policies) < 1:
         return
-    if "trigger" not in policies[0]:
+    if not isinstance(policies[0], dict) or "trigger" not in policies[0]:
         raise PolicyError("deploy_on_epoch: policies[0] must hold the 'trigger' epochs "
                           "(use ms.policy.read_policy(filename, section))")
     if epoch not in policies[0]["trigger"]:
         return
+    tag = getattr(policies, "tag", None)
+    layers_ = [m for _, m in mesa_layers(model) if tag is None or m.tag == tag]
+    if any(m.index < 0 for m in layers_):  # never indexed (no deploy_on_init yet)
+        assign_indices(model)
     for p in policies[1:]:
-        for _, m in mesa_layers(model):
+        if not isinstance(p, dict):
+            raise PolicyError(f"deploy_on_epoch: expected policy blocks (dicts), got {p!r}")
+        for m in layers_:
             update_quantization_parameter(m, **p)
-    verbose(f"mesa policy: applied {len(policies) - 1} block(s) at epoch {epoch}")
+    verbose(f"mesa policy: applied {len(policies) - 1} block(s)"
+            f"{f' on {tag}' if tag else ''} at epoch {epoch}")
 
 
 def deploy_on_iteration(model, policies, iteration, optimizer=None, verbose=print):
@@ -300,82 +424,169 @@ def set_mesa(model: nn.Module, enable: bool = True, bits: int = 8, tags=None, **
 
 
 # ---- conversion ------------------------------------------------------------------------------
-def _adopt(new: nn.Module, old: nn.Module) -> nn.Module:
-    """Give ``new`` the very parameters and buffers of ``old`` (no re-initialisation)."""
+# nn classes Mesa replaces; a subclass is replaced only when it keeps the base forward (e.g.
+# nn.MultiheadAttention's NonDynamicallyQuantizableLinear) or is known to compute the same
+# (timm's LayerNorm); others (timm's LayerNorm2d, BatchNormAct2d, Conv2dSame, ...) are left as
+# they are and their children converted.
+_CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d, nn.GELU, nn.Softmax, nn.ReLU)
+_SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm"}
+
+
+def _base_of(child: nn.Module):
+    for base in _CONVERTIBLE:
+        if isinstance(child, base):
+            return base
+    return None
+
+
+def _convertible(child: nn.Module) -> bool:
+    base = _base_of(child)
+    if base is None or isinstance(child, L.MESA_LAYERS):
+        return False
+    cls = type(child)
+    if cls is not base and cls.forward is not base.forward \
+            and f"{cls.__module__}.{cls.__qualname__}" not in _SAME_FORWARD:
+        _log.info("mesa convert: leaving %s as it is (it overrides %s.forward)",
+                  cls.__qualname__, base.__name__)
+        return False
+    if getattr(child, "parametrizations", None) is not None:  # torch.nn.utils.parametrize
+        _log.info("mesa convert: leaving parametrized %s as it is", cls.__qualname__)
+        return False
+    return True
+
+
+def _first_tensor(module: nn.Module | None):
+    if module is None:
+        return None
+    for t in module.parameters(recurse=False):
+        return t
+    for t in module.buffers(recurse=False):
+        return t
+    for t in module.parameters():
+        return t
+    for t in module.buffers():
+        return t
+    return None
+
+
+def _adopt(new: nn.Module, old: nn.Module, parent: nn.Module | None = None) -> nn.Module:
+    """Give ``new`` the very parameters and buffers of ``old`` (no re-initialisation); put its
+    quantizer state on the device of ``old`` (or, for GELU/Softmax/ReLU, of ``parent``).
+    Hooks registered on ``old`` are not carried over (as in the original)."""
     for name, p in old.named_parameters(recurse=False):
         setattr(new, name, p)
     for name, b in old.named_buffers(recurse=False):
         if name in new._buffers:
             new._buffers[name] = b
-    ref = next(iter(old.parameters()), None)
-    if ref is not None:
-        for q in [new] + [m for m in new.modules() if m is not new]:
-            if isinstance(q, L.QuantMixin):
+    ref = _first_tensor(old)
+    if ref is None:
+        ref = _first_tensor(parent)
+    dev = ref.device if ref is not None and ref.device.type != "meta" else None
+    if dev is not None:
+        for q in new.modules():
+            if isinstance(q, QuantMixin):
                 for n in ("clip_val", "shift", "iteration"):
-                    q._buffers[n] = q._buffers[n].to(ref.device)
+                    q._buffers[n] = q._buffers[n].to(dev)
     new.train(old.training)
     return new
 
 
-def _convert_child(child: nn.Module, groups_for):
-    """A Mesa layer for an ``nn`` layer (or None). ``groups_for(channels)`` -> dict of kwargs."""
+def _groups_of_size(channels: int, s: int, what: str) -> int:
+    if channels <= s:
+        return 1  # e.g. the 3 input channels of a patch embedding: one group
+    if channels % s:
+        raise PolicyError(f"convert_by_group_size: group size {s} does not divide the {channels} "
+                          f"channels of {what}")
+    return channels // s
+
+
+def _convert_child(child: nn.Module, spec, parent=None, name=""):
+    """A Mesa layer for an ``nn`` layer (or None). ``spec`` is ('groups', G) or ('size', S)."""
+    if not _convertible(child):
+        return None
+    kind, n = spec
+    what = f"{name!r} ({type(child).__name__})"
+
+    def g_of(channels):
+        return n if kind == "groups" else _groups_of_size(channels, n, what)
+
     meta = dict(device="meta")
     if isinstance(child, nn.Linear):
         new = L.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                       **groups_for(child.in_features), **meta)
+                       quant_groups=g_of(child.in_features), **meta)
     elif isinstance(child, nn.Conv2d):
         new = L.Conv2d(child.in_channels, child.out_channels, child.kernel_size, child.stride,
                        child.padding, child.dilation, child.groups, child.bias is not None,
-                       child.padding_mode, **groups_for(child.in_channels), **meta)
+                       child.padding_mode, quant_groups=g_of(child.in_channels), **meta)
     elif isinstance(child, nn.LayerNorm):
         new = L.LayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
-                          bias=child.bias is not None, **groups_for(child.normalized_shape[-1]), **meta)
+                          bias=child.bias is not None,
+                          quant_groups=g_of(child.normalized_shape[-1]), **meta)
     elif isinstance(child, nn.BatchNorm2d):
         new = L.BatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
-                            child.track_running_stats, **groups_for(child.num_features), **meta)
+                            child.track_running_stats, quant_groups=g_of(child.num_features),
+                            **meta)
     elif isinstance(child, nn.GELU):
-        new = L.GELU(approximate=child.approximate, **groups_for(None))
+        new = L.GELU(approximate=child.approximate, **_runtime_groups(spec))
     elif isinstance(child, nn.Softmax):
-        kw = groups_for(None)
-        new = L.Softmax(dim=child.dim, quant_groups=kw.get("quant_groups", 1))
-        if kw.get("group_size"):
-            new.group_size = kw["group_size"]
+        new = L.Softmax(dim=child.dim, quant_groups=n if kind == "groups" else 1)
+        if kind == "size":
+            new.group_size = 1  # one group per head: dim 1 of (B, H, N, N)
     elif isinstance(child, nn.ReLU):
-        new = L.ReLU(inplace=child.inplace, **groups_for(None))
+        new = L.ReLU(inplace=child.inplace, **_runtime_groups(spec))
     else:
         return None
-    return _adopt(new, child)
+    _adopt(new, child, parent)
+    left = [k for k, t in list(new.named_parameters()) + list(new.named_buffers())
+            if t.device.type == "meta" and not _is_meta_model(child)]
+    if left:
+        _log.info("mesa convert: leaving %s as it is (cannot carry over %s)", what, left)
+        return None
+    return new
 
 
-def _convert(module: nn.Module, groups_for) -> nn.Module:
+def _is_meta_model(child) -> bool:
+    t = _first_tensor(child)
+    return t is not None and t.device.type == "meta"
+
+
+def _runtime_groups(spec) -> dict:
+    kind, n = spec
+    return {"quant_groups": n} if kind == "groups" else {"group_size": n}
+
+
+def _convert(module: nn.Module, spec) -> nn.Module:
     for name, child in module.named_children():
         if isinstance(child, L.MESA_LAYERS):
             continue
-        new = _convert_child(child, groups_for)
+        new = _convert_child(child, spec, parent=module, name=name)
         if new is None:
-            _convert(child, groups_for)
+            _convert(child, spec)
         else:
             setattr(module, name, new)
     return module
 
 
+def _convert_root(module: nn.Module, spec) -> nn.Module:
+    new = _convert_child(module, spec, name=type(module).__name__)
+    if new is not None:  # the model itself is one nn layer: return its Mesa layer
+        return new
+    return _convert(module, spec)
+
+
 def convert_by_num_groups(module: nn.Module, num_groups: int) -> nn.Module:
     """Replace the nn layers Mesa knows (Linear, Conv2d, LayerNorm, BatchNorm2d, GELU, Softmax,
-    ReLU) by Mesa layers with ``num_groups`` quantization groups, in place; keeps every
-    parameter and buffer; idempotent. Compression stays off until a policy enables it."""
-    g = parse_groups(num_groups)
-    return _convert(module, lambda channels: {"quant_groups": g})
+    ReLU) by Mesa layers with ``num_groups`` quantization groups, in place, and return the model.
+    Every parameter and buffer is kept (the same objects: an optimizer built before still
+    works), as are device, dtype and train/eval mode; converting twice changes nothing.
+    Compression stays off until a policy enables it. (When ``module`` itself is such a layer,
+    its Mesa layer is returned.)"""
+    return _convert_root(module, ("groups", parse_groups(num_groups)))
 
 
 def convert_by_group_size(module: nn.Module, hidden_group_size: int) -> nn.Module:
-    """Like :func:`convert_by_num_groups` with groups of ``hidden_group_size`` channels (GELU,
-    Softmax and ReLU derive their group count from the input at the first step)."""
-    s = parse_groups(hidden_group_size)
-
-    def groups_for(channels):
-        if channels is None:
-            return {"group_size": s}
-        if channels % s:
-            raise PolicyError(f"group size {s} does not divide {channels} channels")
-        return {"quant_groups": channels // s}
-    return _convert(module, groups_for)
+    """Like :func:`convert_by_num_groups` with groups of ``hidden_group_size`` channels:
+    ``channels // hidden_group_size`` groups (one group when a layer has no more channels than
+    that, e.g. a patch embedding's 3 input channels). GELU and ReLU derive their group count from
+    their input at the first step; Softmax uses one group per head (dim 1 of (B, H, N, N))."""
+    return _convert_root(module, ("size", parse_groups(hidden_group_size)))
