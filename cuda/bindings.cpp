@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return mesa::dequantize_cpu(p, st, sh, bits, groups, inner, numel,
                                 torch::python::detail::py_object_to_dtype(dtype));
   });
+  m.def("dequantize_out_cpu", &mesa::dequantize_out_cpu, "dequantize into a contiguous CPU tensor");
   m.def("group_minmax_cpu", &mesa::group_minmax_cpu, "per-group (min, max) as a (2, G) float tensor");
   m.def("range_update_cpu", &mesa::range_update_cpu,
         "running-range update in place; returns (4, G): inv, step, shift, finite");

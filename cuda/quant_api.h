@@ -56,6 +56,8 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
 at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
                           int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                           at::ScalarType dtype);
+void dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
+                        int64_t bits, int64_t groups, int64_t inner, at::Tensor out);
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,

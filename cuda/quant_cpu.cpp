@@ -232,12 +232,14 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
   return out;
 }
 
-at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
-                          int64_t bits, int64_t groups, int64_t inner, int64_t numel,
-                          at::ScalarType dtype) {
+void dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
+                        int64_t bits, int64_t groups, int64_t inner, at::Tensor out) {
+  const int64_t numel = out.numel();
   check_dequantize_args(packed, step, shift, bits, groups, inner, numel);
-  TORCH_CHECK(packed.device().is_cpu(), "mesa dequantize_cpu: packed must be a CPU tensor");
-  auto out = at::empty({numel}, packed.options().dtype(dtype));
+  TORCH_CHECK(packed.device().is_cpu() && out.device().is_cpu(),
+              "mesa dequantize_cpu: packed and out must be CPU tensors");
+  TORCH_CHECK(out.is_contiguous(), "mesa dequantize_out_cpu: out must be contiguous");
+  const at::ScalarType dtype = out.scalar_type();
   const float* st = step.data_ptr<float>();
   const float* sh = shift.data_ptr<float>();
   const uint8_t* in = packed.data_ptr<uint8_t>();
@@ -266,6 +268,14 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
       }
     });
   });
+}
+
+
+at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
+                          int64_t bits, int64_t groups, int64_t inner, int64_t numel,
+                          at::ScalarType dtype) {
+  auto out = at::empty({numel}, packed.options().dtype(dtype));
+  dequantize_out_cpu(packed, step, shift, bits, groups, inner, out);
   return out;
 }
 

@@ -110,6 +110,7 @@ class _Extension:
         self._d = getattr(ext, f"dequantize_{suffix}")
         self._m = getattr(ext, f"group_minmax_{suffix}")
         self._r = getattr(ext, f"range_update_{suffix}", None)
+        self._dout = getattr(ext, f"dequantize_out_{suffix}", None)
 
     def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
         return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
@@ -119,6 +120,14 @@ class _Extension:
 
     def group_minmax(self, x, groups, inner):
         return self._m(x, groups, inner)
+
+    @property
+    def has_dequantize_out(self) -> bool:
+        return self._dout is not None
+
+    def dequantize_out(self, packed, step, shift, bits, groups, inner, out):
+        self._dout(packed, step, shift, bits, groups, inner, out)
+        return out
 
     def range_update(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
                      batch_mode, bits, update=True):

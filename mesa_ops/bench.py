@@ -84,18 +84,43 @@ def op_cases(batch: int = 8, tokens: int = 197, dim: int = 192, heads: int = 3) 
     ]
 
 
+def _one_step(model, inputs, autocast_dtype, dev) -> float:
+    for p in model.parameters():
+        p.grad = None
+    _sync(dev)
+    t0 = time.perf_counter()
+    with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(*inputs)
+    out.float().sum().backward()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
 def compare(case: OpCase, bits_list=(8, 4, 2), device: str = "cpu", steps: int = 10,
-            autocast_dtype: torch.dtype | None = None, seed: int = 0) -> list[dict]:
-    """Exact vs Mesa at each bit width for one case: time and saved bytes, with ratios."""
+            autocast_dtype: torch.dtype | None = None, seed: int = 0, warmup: int = 3) -> list[dict]:
+    """Exact vs Mesa at each bit width for one case: median step time and saved bytes, with
+    ratios. The modes' steps are interleaved (exact, mesa8, mesa4, ... per round) so that drifts
+    of a shared machine hit them alike."""
     torch.manual_seed(seed)
     base = case.make().to(device)
+    dev = torch.device(device)
     inputs = tuple(torch.randn(s, device=device).requires_grad_() for s in case.shapes)
+    modes = (None,) + tuple(bits_list)
+    models = []
+    for bits in modes:
+        m = copy.deepcopy(base).train()
+        set_mesa(m, enable=bits is not None, bits=bits or 8)
+        models.append(m)
+    times = [[] for _ in modes]
+    for r in range(warmup + steps):
+        for i, m in enumerate(models):
+            t = _one_step(m, inputs, autocast_dtype, dev)
+            if r >= warmup:
+                times[i].append(t)
     rows = []
     ref_t = ref_b = None
-    for bits in (None,) + tuple(bits_list):
-        m = copy.deepcopy(base)
-        set_mesa(m, enable=bits is not None, bits=bits or 8)
-        t = step_time(m, inputs, steps=steps, autocast_dtype=autocast_dtype)
+    for bits, m, ts in zip(modes, models, times):
+        t = statistics.median(ts)
         b = saved_bytes(m, inputs, autocast_dtype=autocast_dtype).total_bytes
         if bits is None:
             ref_t, ref_b = t, b

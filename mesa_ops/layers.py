@@ -140,7 +140,8 @@ class BatchNorm2d(_Layer, nn.BatchNorm2d):
 
 
 class _TwoQuant:
-    """Attributes of MatMul/Softmax read from ``quant1`` and set on both quantizers."""
+    """Attributes of MatMul/Softmax read from the quantizer in use (``_primary``) and set on both."""
+    _primary = "quant1"
     _proxied = ("enable", "bits", "level", "ema_decay", "quant_groups", "stochastic",
                 "range_mode", "check_finite", "index", "group_size", "layer_name")
 
@@ -155,7 +156,7 @@ class _TwoQuant:
 
 def _proxy(name):
     def get(self):
-        return getattr(self.quant1, name)
+        return getattr(self.quant2 if self._primary == "quant2" else self.quant1, name)
 
     def set_(self, value):
         setattr(self.quant1, name, value)
@@ -168,6 +169,8 @@ for _n in _TwoQuant._proxied:
 
 
 class Softmax(_TwoQuant, nn.Softmax):
+    _primary = "quant2"
+
     """``nn.Softmax`` storing only its output (at ``quant2``'s bits, head-wise groups on
     (B, H, N, N)). ``quant1`` (the original's input quantizer) is kept for policies and
     checkpoints of the original code; the input is never stored since backward needs only y."""
@@ -188,7 +191,8 @@ class Softmax(_TwoQuant, nn.Softmax):
 
 
 class MatMul(_TwoQuant, nn.Module):
-    """``a @ b`` as a module: ``quant1`` stores a, ``quant2`` stores b (head-wise groups)."""
+    """``a @ b`` as a module: ``quant1`` stores a, ``quant2`` stores b (head-wise groups); an
+    input whose quantizer is disabled is saved exactly."""
 
     def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
         nn.Module.__init__(self)
@@ -198,7 +202,8 @@ class MatMul(_TwoQuant, nn.Module):
         self.tag = "matmul"
 
     def forward(self, a, b):
-        if self.quant1.enable and self.training and _needs_grad(a, b):
+        """Each input is stored packed when its quantizer is enabled, exactly otherwise."""
+        if (self.quant1.enable or self.quant2.enable) and self.training and _needs_grad(a, b):
             return MF.matmul_fn(a, b, self.quant1, self.quant2)
         return torch.matmul(a, b)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import NamedTuple
 
 import torch
@@ -66,7 +67,16 @@ class QTensor(NamedTuple):
         packed, step, shift = tensors
         shape, dtype, bits, groups, inner, transposed = meta
         be = get_backend(packed)
-        flat = be.dequantize(packed, step, shift, bits, groups, inner, math.prod(shape), dtype)
+        numel = math.prod(shape)
+        if getattr(be, "has_dequantize_out", False) and in_backward():
+            flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
+                                     _workspace().acquire(numel, dtype))
+            out = flat.view(shape) if not transposed else None
+            if out is not None:
+                out._mesa_ws = True
+                return out
+        else:
+            flat = be.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
         if transposed:
             s = list(shape)
             s[-2], s[-1] = s[-1], s[-2]
@@ -84,6 +94,62 @@ def _memory_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     if x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # e.g. k.transpose(-2, -1)
         return x.transpose(-2, -1), True
     return x.contiguous(), False
+
+
+class _Workspace:
+    """Reusable CPU buffers for the dequantized activations of one backward pass.
+
+    A fresh multi-MB CPU allocation costs a page fault per 4 KiB on first touch, which made
+    dequantization dominate Mesa's CPU overhead. During a backward, Mesa's Functions take their
+    dequantized tensors from here and hand them back (:func:`release`) once their gradients are
+    computed; the buffers are dropped when the backward ends, so nothing is held during forward.
+    """
+
+    def __init__(self):
+        self.free: list[torch.Tensor] = []
+        self.armed = False
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self.clear)
+            self.armed = True
+        best = None
+        for i, buf in enumerate(self.free):
+            if buf.dtype == dtype and buf.numel() >= numel and (
+                    best is None or buf.numel() < self.free[best].numel()):
+                best = i
+        buf = self.free.pop(best) if best is not None else torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+    def release(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        while base._base is not None:
+            base = base._base
+        if base.device.type == "cpu" and base.dim() == 1 and len(self.free) < 8:
+            self.free.append(base)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.armed = False
+
+
+_local = threading.local()
+
+
+def _workspace() -> _Workspace:
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = _Workspace()
+    return ws
+
+
+def release(*tensors) -> None:
+    """Give dequantized tensors back to the backward workspace (call after their last use)."""
+    if in_backward():
+        ws = _workspace()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False):
+                ws.release(t)
 
 
 def in_backward() -> bool:

@@ -234,6 +234,7 @@ def test_matmul_transposed_and_broadcast_inputs():
 class IdentityQuant:
     """Stands in for a layer's quantizer: 'stores' the activation unchanged (compression off)."""
     bits = 8
+    enable = True  # MatMul stores an input packed only when its quantizer is enabled
 
     def quantize(self, x):
         return x

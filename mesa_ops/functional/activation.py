@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import attach_saved, pack_mask, save_for_backward, saved_tensors
+from ..quant import attach_saved, pack_mask, release, save_for_backward, saved_tensors
 
 
 class _GELU(torch.autograd.Function):
@@ -22,6 +22,7 @@ class _GELU(torch.autograd.Function):
     def backward(ctx, gy):
         (xh,) = saved_tensors(ctx)
         gx = torch.ops.aten.gelu_backward(gy.to(ctx.cdt), xh, approximate=ctx.approximate)
+        release(xh)
         return gx.to(ctx.x_dtype), None, None, None
 
 
@@ -45,6 +46,7 @@ class _Softmax(torch.autograd.Function):
     def backward(ctx, gy):
         (yh,) = saved_tensors(ctx)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
+        release(yh)
         return gx.to(ctx.x_dtype), None, None, None
 
 
@@ -72,7 +74,9 @@ class _ReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         (mask,) = saved_tensors(ctx)
-        return gy * mask.to(gy.dtype)
+        gx = gy * mask.to(gy.dtype)
+        release(mask)
+        return gx
 
 
 def relu_fn(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import save_for_backward, saved_tensors
+from ..quant import release, save_for_backward, saved_tensors
 
 
 class _Conv2d(torch.autograd.Function):
@@ -30,6 +30,7 @@ class _Conv2d(torch.autograd.Function):
         gx, gw, gb = torch.ops.aten.convolution_backward(
             gy.to(ctx.cdt), xh.to(ctx.cdt), weight.to(ctx.cdt), bias_sizes, stride, padding,
             dilation, False, [0, 0], groups, [need[0], need[1], bool(ctx.bias_meta) and need[2]])
+        release(xh)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(weight.dtype) if gw is not None else None
         gb = gb.to(ctx.bias_meta[1]) if gb is not None else None

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import save_for_backward, saved_tensors
+from ..quant import release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):
@@ -30,6 +30,7 @@ class _Linear(torch.autograd.Function):
             gw = g2.t().matmul(xh.reshape(-1, xh.shape[-1]).to(ctx.cdt)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(ctx.b_dtype)
+        release(xh)
         return gx, gw, gb, None, None
 
 

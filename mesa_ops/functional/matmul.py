@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import find_saved, save_for_backward, saved_tensors
+from ..quant import find_saved, release, save_for_backward, saved_tensors
 
 
 class _MatMul(torch.autograd.Function):
@@ -14,8 +14,8 @@ class _MatMul(torch.autograd.Function):
     def forward(ctx, a, b, quant1, quant2, cdt):
         ac, bc = a.to(cdt), b.to(cdt)
         y = torch.matmul(ac, bc)
-        qa = find_saved(a, quant1.bits) or quant1.quantize(ac)
-        save_for_backward(ctx, qa, quant2.quantize(bc))
+        qa = (find_saved(a, quant1.bits) or quant1.quantize(ac)) if quant1.enable else ac
+        save_for_backward(ctx, qa, quant2.quantize(bc) if quant2.enable else bc)
         ctx.shapes, ctx.dtypes, ctx.cdt = (a.shape, b.shape), (a.dtype, b.dtype), cdt
         return y
 
@@ -28,6 +28,7 @@ class _MatMul(torch.autograd.Function):
             ga = g.matmul(bh.to(ctx.cdt).transpose(-2, -1)).sum_to_size(ctx.shapes[0]).to(ctx.dtypes[0])
         if ctx.needs_input_grad[1]:
             gb = ah.to(ctx.cdt).transpose(-2, -1).matmul(g).sum_to_size(ctx.shapes[1]).to(ctx.dtypes[1])
+        release(ah, bh)
         return ga, gb, None, None, None
 
 

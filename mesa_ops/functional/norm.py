@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import save_for_backward, saved_tensors
+from ..quant import release, save_for_backward, saved_tensors
 
 
 def _cast_params(cdt, x, *params):
@@ -33,6 +33,7 @@ class _LayerNorm(torch.autograd.Function):
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             gy.to(ctx.cdt), xh, ctx.normalized_shape, mean, rstd, w, b,
             [need[0], w is not None and need[2], b is not None and need[3]])
+        release(xh)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(ctx.p_dtypes[0]) if gw is not None else None
         gb = gb.to(ctx.p_dtypes[1]) if gb is not None else None
@@ -67,6 +68,7 @@ class _BatchNorm(torch.autograd.Function):
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
             ctx.impl, xh, gy.to(ctx.cdt).contiguous(), w, rm, rv, save_mean, save_var, True,
             ctx.eps, [need[0], w is not None and need[1], w is not None and need[2]], reserve)
+        release(xh)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
         gw = gw.to(ctx.p_dtypes[0]) if gw is not None else None
         gb = gb.to(ctx.p_dtypes[1]) if gb is not None else None
