@@ -11,7 +11,7 @@ from mesa_ops import bench
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--bits", default="8,4")
