@@ -1,5 +1,5 @@
 """Timing and memory helpers shared by ``tools/benchmark_ops.py``, ``tools/demo.py`` and the
-benchmarks: median train-step time, saved-activation bytes, and the per-layer cases.
+benchmarks: interleaved train-step timing, saved-activation bytes, and the per-layer cases.
 """
 from __future__ import annotations
 
@@ -21,26 +21,6 @@ from .policy import set_mesa
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def step_time(model: nn.Module, inputs: tuple, steps: int = 10, warmup: int = 3,
-              autocast_dtype: torch.dtype | None = None) -> float:
-    """Median seconds of forward + backward of ``model(*inputs).float().sum()`` (train mode)."""
-    model.train()
-    dev = next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    times = []
-    for i in range(warmup + steps):
-        for p in model.parameters():
-            p.grad = None
-        _sync(dev)
-        t0 = time.perf_counter()
-        with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            out = model(*inputs)
-        out.float().sum().backward()
-        _sync(dev)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def saved_bytes(model: nn.Module, inputs: tuple,

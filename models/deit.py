@@ -19,6 +19,7 @@ import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed
 from .layers import (Attention, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
+                     make_head,
                      trunc_normal_)
 from .registry import register_model
 
@@ -103,10 +104,7 @@ class VisionTransformer(nn.Module):
         self.apply(init_weights)
 
     def _make_head(self, num_classes):
-        if num_classes <= 0:
-            return nn.Identity()
-        return build_layer(self.linear_layer, self.embed_dim, num_classes,
-                           quant_groups=self.qgroups(self.embed_dim, self.num_heads, "head"))
+        return make_head(self.linear_layer, self.embed_dim, num_classes, self.qgroups, self.num_heads)
 
     @torch.jit.ignore
     def no_weight_decay(self):

@@ -21,7 +21,7 @@ from timm.layers import DropPath, to_2tuple, trunc_normal_
 
 import mesa_ops as ms
 
-__all__ = ["QuantGroups", "build_layer", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+__all__ = ["QuantGroups", "build_layer", "make_head", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
            "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
 
 
@@ -69,6 +69,14 @@ def build_layer(layer, *args, quant_groups: int | None = None, **kwargs) -> nn.M
     if quant_groups is not None and accepts_kwarg(layer, "quant_groups"):
         kwargs["quant_groups"] = quant_groups
     return layer(*args, **kwargs)
+
+
+def make_head(linear_layer, features: int, num_classes: int, qgroups, heads: int) -> nn.Module:
+    """The classifier head (features -> num_classes), or Identity when num_classes <= 0."""
+    if num_classes <= 0:
+        return nn.Identity()
+    return build_layer(linear_layer, features, num_classes,
+                       quant_groups=qgroups(features, heads, "head"))
 
 
 def init_weights(m: nn.Module) -> None:

@@ -23,6 +23,7 @@ import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed, resize_rel_pos_bias_table
 from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
+                     make_head,
                      to_2tuple, trunc_normal_)
 from .registry import register_model
 
@@ -294,10 +295,7 @@ class SwinTransformer(nn.Module):
         self.apply(init_weights)
 
     def _make_head(self, num_classes):
-        if num_classes <= 0:
-            return nn.Identity()
-        return build_layer(self.linear_layer, self.num_features, num_classes,
-                           quant_groups=self.qgroups(self.num_features, self.last_heads, "head"))
+        return make_head(self.linear_layer, self.num_features, num_classes, self.qgroups, self.last_heads)
 
     @torch.jit.ignore
     def no_weight_decay(self):
