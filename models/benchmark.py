@@ -9,9 +9,10 @@ steps`` train steps (forward, loss, backward, SGD step) and reports:
 
 * ``saved_bytes``: bytes autograd holds for backward after one forward (unique storages,
   parameters excluded; for checkpointed blocks, their stored inputs);
-* ``peak_bytes``: CUDA ``max_memory_allocated``; on CPU the worker's peak RSS (``ru_maxrss``)
-  minus its RSS once the model and batch are built (the training peak: activations, gradients,
-  optimizer state), comparable between modes since every configuration runs in a fresh process;
+* ``peak_bytes``: CUDA ``max_memory_allocated``; on CPU the peak RSS (``ru_maxrss``) of a
+  worker whose large allocations are mmap-backed, minus its RSS once the model and batch are
+  built (the training peak: activations, gradients, optimizer state), comparable between modes
+  since every configuration runs in fresh processes;
 * ``step_time_s``: median step time after warm-up.
 
 ``largest_batch`` searches (doubling, then bisection) the largest batch whose peak stays within
@@ -67,10 +68,15 @@ class Record:
     oom: bool = False
 
 
-def _mode_policy(mode: str):
-    if mode.startswith("mesa"):
-        return "mesa" + mode[4]  # 'mesa8', 'mesa4', 'mesa2' shorthands of models.create_model
-    return None
+def _mode_policy(model: str, mode: str):
+    """set_mesa arguments of a mesa mode: the paper's tags (fc, matmul, gelu, layernorm,
+    softmax) at the mode's bits; PVT also compresses its convs (configs/mesa/pvt_8bit.txt)."""
+    if not mode.startswith("mesa"):
+        return None
+    from .registry import MESA_TAGS, model_entry
+
+    tags = list(MESA_TAGS) + (["conv"] if model_entry(model).family == "pvt" else [])
+    return {"bits": int(mode[4]), "tags": tags}
 
 
 class _CheckpointedBlock(nn.Module):
@@ -109,8 +115,11 @@ def checkpoint_blocks(model: nn.Module) -> list[_CheckpointedBlock]:
 def build(cfg: Config) -> tuple[nn.Module, list]:
     from . import create_model
 
-    model = create_model(cfg.model, ms_policy=_mode_policy(cfg.mode), img_size=cfg.input_size,
+    policy = _mode_policy(cfg.model, cfg.mode)
+    model = create_model(cfg.model, ms_policy=policy, img_size=cfg.input_size,
                          num_classes=cfg.num_classes)
+    if policy and "conv" in policy["tags"]:  # the image's patch embedding stays exact
+        next(m for m in model.modules() if isinstance(m, nn.Conv2d)).enable = False
     if cfg.mode == "exact-explicit":
         for m in model.modules():
             if hasattr(m, "fused_attn"):
@@ -193,19 +202,41 @@ def measure(cfg: Config) -> Record:
                   by_type=dict(meter.by_type))
 
 
-def run_in_worker(cfg: Config, timeout: float | None = None) -> Record:
-    """``measure`` in a fresh Python process (so peak RSS belongs to this configuration)."""
+# glibc keeps freed heap memory and fragments it, so the RSS high-water mark of a default process
+# follows the allocator more than the live tensors; with every allocation above 64 KiB served by
+# mmap (and returned on free), peak RSS tracks what training really holds. That setting slows
+# steps (a page fault per fresh page), so CPU timing and CPU memory come from separate workers.
+_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def _worker(cfg: Config, timeout: float | None, extra_env: dict | None = None) -> Record:
     cmd = [sys.executable, "-m", "models.benchmark", json.dumps(asdict(cfg))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", **(extra_env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"benchmark worker failed for {cfg}:\n{proc.stderr[-3000:]}")
     return Record(**json.loads(lines[-1]))
 
 
-def largest_batch(cfg: Config, budget_bytes: int, max_batch: int = 4096, worker=run_in_worker) -> int:
+def run_in_worker(cfg: Config, timeout: float | None = None, memory_only: bool = False) -> Record:
+    """``measure`` in fresh Python processes (so peak RSS belongs to this configuration): on
+    CPU one worker times the steps, a second (one step, mmap-backed allocations) gives the peak."""
+    if cfg.device.startswith("cuda"):
+        return _worker(cfg, timeout)
+    mem_cfg = Config(**{**asdict(cfg), "steps": 1, "warmup": 1})
+    mem = _worker(mem_cfg, timeout, _MEMORY_ENV)
+    if memory_only:
+        return mem
+    rec = _worker(cfg, timeout)
+    rec.peak_bytes = mem.peak_bytes
+    return rec
+
+
+def largest_batch(cfg: Config, budget_bytes: int, max_batch: int = 4096, worker=None) -> int:
     """Largest batch whose peak memory fits ``budget_bytes`` (0 if even batch 1 does not)."""
+    worker = worker or (lambda c: run_in_worker(c, memory_only=True))
+
     def fits(b):
         r = worker(Config(**{**asdict(cfg), "batch": b, "steps": 1, "warmup": 0}))
         return not r.oom and r.peak_bytes <= budget_bytes

@@ -1,0 +1,59 @@
+"""models.benchmark: modes, records, the batch search, the table and the plot (small, in-process)."""
+import pytest
+import torch
+
+from models import benchmark as B
+
+
+@pytest.mark.parametrize("mode", B.MODES)
+def test_measure_every_mode_on_a_small_deit(mode):
+    cfg = B.Config("deit_tiny_patch16_224", mode, batch=2, input_size=32, steps=1, warmup=0,
+                   num_classes=10)
+    r = B.measure(cfg)
+    assert r.mode == mode and r.saved_bytes > 0 and r.step_time_s > 0 and not r.oom
+    exact = B.measure(B.Config("deit_tiny_patch16_224", "exact", 2, 32, steps=1, warmup=0,
+                               num_classes=10))
+    if mode.startswith("mesa8"):
+        assert r.saved_bytes < 0.5 * exact.saved_bytes
+    if mode == "exact-explicit":  # the N x N attention matrices are kept
+        assert r.saved_bytes > exact.saved_bytes
+
+
+def test_checkpoint_blocks_wraps_blocks_and_keeps_outputs():
+    from models import create_model
+
+    torch.manual_seed(0)
+    m = create_model("deit_tiny_patch16_224", img_size=32, num_classes=10).train()
+    x = torch.randn(2, 3, 32, 32)
+    torch.manual_seed(1)
+    y0 = m(x)
+    wrapped = B.checkpoint_blocks(m)
+    assert len(wrapped) == 12
+    torch.manual_seed(1)
+    assert torch.equal(m(x), y0)
+    with pytest.raises(ValueError, match="no '\\*Block' modules"):
+        B.checkpoint_blocks(torch.nn.Linear(2, 2))
+
+
+def test_largest_batch_search_finds_the_boundary():
+    calls = []
+
+    def fake_worker(cfg):  # peak grows by 10 per sample over a base of 5
+        calls.append(cfg.batch)
+        return B.Record(cfg.model, cfg.mode, "fp32", cfg.batch, 224, "cpu", 0, 5 + 10 * cfg.batch, 0.0)
+
+    cfg = B.Config("deit_tiny_patch16_224", "exact", 1)
+    assert B.largest_batch(cfg, budget_bytes=405, worker=fake_worker) == 40
+    assert B.largest_batch(cfg, budget_bytes=4, worker=fake_worker) == 0
+    assert len(calls) < 20
+
+
+def test_table_ratios_and_plot(tmp_path):
+    recs = [B.Record("m", "exact", "fp32", 4, 224, "cpu", 400, 1000, 0.10),
+            B.Record("m", "mesa8", "fp32", 4, 224, "cpu", 100, 500, 0.12)]
+    table = B.markdown_table(recs, {("m", "exact"): 10, ("m", "mesa8"): 35})
+    assert "| m | mesa8 | fp32 | 4 | 0.0 | 0.250 |" in table
+    assert "| 35 | 3.50 |" in table
+    out = tmp_path / "p.png"
+    B.plot(recs, str(out))
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
