@@ -11,16 +11,9 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
-for _p in (ROOT, TESTS):  # the repo (mesa_ops) and tests/ (the shared _mesa_cases helpers)
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
 
 NO_CUDA_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
 

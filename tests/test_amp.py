@@ -20,8 +20,8 @@ import torch
 
 import mesa_ops as ms
 
-from _mesa_cases import NAMES, inputs, make_pair, rel_err, run
-from test_layers import QUANTIZED_GRADS, _Attention
+from tests._mesa_cases import NAMES, inputs, make_pair, rel_err, run
+from tests.test_layers import QUANTIZED_GRADS, _Attention
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
 VS_AUTOCAST = 2e-2

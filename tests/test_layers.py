@@ -22,7 +22,7 @@ import torch.nn as nn
 import mesa_ops as ms
 from mesa_ops import functional as MF
 
-from _mesa_cases import CASES, NAMES, PlainMatMul, inputs, make_pair, rel_err, run
+from tests._mesa_cases import CASES, NAMES, PlainMatMul, inputs, make_pair, rel_err, run
 
 BITS = (8, 4, 2)
 
