@@ -21,7 +21,7 @@ from timm.layers import DropPath, to_2tuple, trunc_normal_
 
 import mesa_ops as ms
 
-__all__ = ["QuantGroups", "build_layer", "make_head", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+__all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
            "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
 
 
@@ -77,6 +77,23 @@ def make_head(linear_layer, features: int, num_classes: int, qgroups, heads: int
         return nn.Identity()
     return build_layer(linear_layer, features, num_classes,
                        quant_groups=qgroups(features, heads, "head"))
+
+
+class PyramidHeadMixin:
+    """Classifier head of the pyramid models (Swin, PVT): ``num_features`` -> classes, with the
+    quantization groups of the last stage's ``last_heads``."""
+
+    def _make_head(self, num_classes):
+        return make_head(self.linear_layer, self.num_features, num_classes, self.qgroups, self.last_heads)
+
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes: int):
+        """A new (randomly initialised) head for ``num_classes`` classes (fine-tuning)."""
+        self.num_classes = num_classes
+        self.head = self._make_head(num_classes)
+        self.head.apply(init_weights)
 
 
 def init_weights(m: nn.Module) -> None:

@@ -22,7 +22,7 @@ import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed
 from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
-                     make_head,
+                     PyramidHeadMixin,
                      trunc_normal_)
 from .registry import register_model
 
@@ -96,7 +96,7 @@ class Block(nn.Module):
         return x
 
 
-class PyramidVisionTransformer(nn.Module):
+class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
     """PVT v1 classifier. ``norm_layer`` is the blocks' and final norm (eps 1e-6 in the official
     models); ``sr_norm_layer`` the norm of the patch embeddings and of the spatial reduction (plain
     LayerNorm, eps 1e-5, in the official code). Other arguments as in
@@ -151,20 +151,9 @@ class PyramidVisionTransformer(nn.Module):
         trunc_normal_(self.cls_token, std=.02)
         self.apply(init_weights)
 
-    def _make_head(self, num_classes):
-        return make_head(self.linear_layer, self.num_features, num_classes, self.qgroups, self.last_heads)
-
     @torch.jit.ignore
     def no_weight_decay(self):
         return {"cls_token"}
-
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes: int):
-        self.num_classes = num_classes
-        self.head = self._make_head(num_classes)
-        self.head.apply(init_weights)
 
     @staticmethod
     def _get_pos_embed(pos_embed, patch_embed, H, W):

@@ -23,7 +23,7 @@ import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed, resize_rel_pos_bias_table
 from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
-                     make_head,
+                     PyramidHeadMixin,
                      to_2tuple, trunc_normal_)
 from .registry import register_model
 
@@ -244,7 +244,7 @@ class BasicLayer(nn.Module):
         return x
 
 
-class SwinTransformer(nn.Module):
+class SwinTransformer(PyramidHeadMixin, nn.Module):
     """Swin classifier (official constructor arguments, plus the layer classes, ``quant_groups``,
     ``quant_group_size`` and ``fused_attn`` as in :class:`models.deit.VisionTransformer`)."""
 
@@ -294,9 +294,6 @@ class SwinTransformer(nn.Module):
         self.head = self._make_head(num_classes)
         self.apply(init_weights)
 
-    def _make_head(self, num_classes):
-        return make_head(self.linear_layer, self.num_features, num_classes, self.qgroups, self.last_heads)
-
     @torch.jit.ignore
     def no_weight_decay(self):
         return {"absolute_pos_embed"}
@@ -304,14 +301,6 @@ class SwinTransformer(nn.Module):
     @torch.jit.ignore
     def no_weight_decay_keywords(self):
         return {"relative_position_bias_table"}
-
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes: int):
-        self.num_classes = num_classes
-        self.head = self._make_head(num_classes)
-        self.head.apply(init_weights)
 
     def forward_features(self, x):
         """(B, 3, H, W) -> pooled features (B, num_features)."""
