@@ -18,8 +18,9 @@ from .memory import SavedActivationMeter
 from .policy import set_mesa
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def sync(device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on CPU."""
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
@@ -67,12 +68,12 @@ def op_cases(batch: int = 8, tokens: int = 197, dim: int = 192, heads: int = 3) 
 def _one_step(model, inputs, autocast_dtype, dev) -> float:
     for p in model.parameters():
         p.grad = None
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         out = model(*inputs)
     out.float().sum().backward()
-    _sync(dev)
+    sync(dev)
     return time.perf_counter() - t0
 
 
@@ -169,7 +170,7 @@ def train_compare(bits_list=(8,), depth: int = 2, batch: int = 8, tokens: int = 
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            _sync(torch.device(device))
+            sync(torch.device(device))
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
         meter = saved_bytes(model, (data[0][0],))

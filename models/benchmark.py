@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tckpt
 
-import mesa_ops as ms
+from mesa_ops.bench import saved_bytes, sync
 
 MODES = ("exact", "exact-explicit", "mesa8", "mesa4", "mesa2", "ckpt", "mesa8+ckpt")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -128,11 +128,6 @@ def build(cfg: Config) -> tuple[nn.Module, list]:
     return model.to(cfg.device).train(), wrapped
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _rss_bytes() -> int:
     """Resident set size of this process now (Linux /proc; 0 elsewhere)."""
     try:
@@ -179,10 +174,10 @@ def measure(cfg: Config) -> Record:
     times = []
     try:
         for i in range(cfg.warmup + cfg.steps):
-            _sync(dev)
+            sync(dev)
             t0 = time.perf_counter()
             step()
-            _sync(dev)
+            sync(dev)
             if i >= cfg.warmup:
                 times.append(time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError:
@@ -192,11 +187,8 @@ def measure(cfg: Config) -> Record:
         peak = torch.cuda.max_memory_allocated()
     else:  # the training peak above the loaded model: RSS high-water mark minus RSS before step 1
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    with ms.SavedActivationMeter(model) as meter:
-        with torch.autocast(torch.device(dev).type, dtype=amp, enabled=amp is not None):
-            out = model(x)
+    meter = saved_bytes(model, (x,), autocast_dtype=amp)
     saved = meter.total_bytes + _unique_bytes(t for w in wrapped for t in w.stored_inputs)
-    del out
     return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, saved,
                   int(peak), statistics.median(times) if times else float("nan"),
                   by_type=dict(meter.by_type))
