@@ -18,9 +18,8 @@ import torch.nn as nn
 import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed
-from .layers import (Attention, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
-                     make_head,
-                     trunc_normal_)
+from .layers import (Attention, PatchEmbed, QuantGroups, build_layer, init_prenorm_block,
+                     init_weights, make_head, trunc_normal_)
 from .registry import register_model
 
 __all__ = ["Block", "VisionTransformer"]
@@ -36,15 +35,13 @@ class Block(nn.Module):
                  matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
                  fused_attn: bool = True):
         super().__init__()
-        self.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
-        self.attn = Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
+        init_prenorm_block(
+            self, dim, num_heads,
+            lambda: Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
                               attn_drop=attn_drop, proj_drop=drop, linear_layer=linear_layer,
-                              matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
-                              fused_attn=fused_attn)
-        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer, drop=drop,
-                       num_heads=num_heads, qgroups=qgroups)
+                              matmul_layer=matmul_layer, softmax_layer=softmax_layer,
+                              qgroups=qgroups, fused_attn=fused_attn),
+            mlp_ratio, drop, drop_path, act_layer, norm_layer, linear_layer, qgroups)
 
     def forward(self, x):
         x = x + self.drop_path(self.attn(self.norm1(x)))

@@ -21,7 +21,7 @@ from timm.layers import DropPath, to_2tuple, trunc_normal_
 
 import mesa_ops as ms
 
-__all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+__all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "init_prenorm_block", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
            "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
 
 
@@ -77,6 +77,20 @@ def make_head(linear_layer, features: int, num_classes: int, qgroups, heads: int
         return nn.Identity()
     return build_layer(linear_layer, features, num_classes,
                        quant_groups=qgroups(features, heads, "head"))
+
+
+def init_prenorm_block(block: nn.Module, dim: int, num_heads: int, make_attn, mlp_ratio: float,
+                       drop: float, drop_path: float, act_layer, norm_layer, linear_layer,
+                       qgroups) -> None:
+    """Give ``block`` the pre-norm layout x + attn(norm1(x)); x + mlp(norm2(x)) shared by the
+    DeiT and PVT blocks: ``norm1``, ``attn = make_attn()``, ``drop_path``, ``norm2``, ``mlp``
+    (registered in that order, which fixes the per-tag policy indices)."""
+    block.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
+    block.attn = make_attn()
+    block.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+    block.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
+    block.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer,
+                    drop=drop, num_heads=num_heads, qgroups=qgroups)
 
 
 class PyramidHeadMixin:

@@ -21,9 +21,8 @@ import torch.nn.functional as F
 import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed
-from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build_layer, init_weights,
-                     PyramidHeadMixin,
-                     trunc_normal_)
+from .layers import (AttentionOps, PatchEmbed, QuantGroups, build_layer, init_prenorm_block,
+                     init_weights, PyramidHeadMixin, trunc_normal_)
 from .registry import register_model
 
 __all__ = ["SRAttention", "Block", "PyramidVisionTransformer"]
@@ -80,15 +79,13 @@ class Block(nn.Module):
                  matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
                  fused_attn: bool = True):
         super().__init__()
-        self.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
-        self.attn = SRAttention(dim, num_heads, qkv_bias, qk_scale, attn_drop, drop, sr_ratio,
-                                linear_layer=linear_layer, conv_layer=conv_layer, sr_norm_layer=sr_norm_layer,
-                                matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
-                                fused_attn=fused_attn)
-        self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer, drop=drop,
-                       num_heads=num_heads, qgroups=qgroups)
+        init_prenorm_block(
+            self, dim, num_heads,
+            lambda: SRAttention(dim, num_heads, qkv_bias, qk_scale, attn_drop, drop, sr_ratio,
+                                linear_layer=linear_layer, conv_layer=conv_layer,
+                                sr_norm_layer=sr_norm_layer, matmul_layer=matmul_layer,
+                                softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn),
+            mlp_ratio, drop, drop_path, act_layer, norm_layer, linear_layer, qgroups)
 
     def forward(self, x, H, W):
         x = x + self.drop_path(self.attn(self.norm1(x), H, W))
