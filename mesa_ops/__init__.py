@@ -6,12 +6,13 @@ and ``ms.policy`` (``convert_by_num_groups``, ``convert_by_group_size``, ``deplo
 ``deploy_on_epoch``). Kernels in ``cuda/`` are JIT-built on first use, never at import.
 """
 from . import backend, functional, memory, policy, reference
+from .attention import SDPA
 from .layers import (MESA_LAYERS, BatchNorm2d, Conv2d, GELU, LayerNorm, Linear, MatMul, ReLU,
                      Softmax)
 from .memory import SavedActivationMeter, saved_activation_bytes
 from .quant import QTensor, QuantMixin, Quantizer
 
-__all__ = ["Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
+__all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
            "functional", "reference", "SavedActivationMeter", "saved_activation_bytes"]
 __version__ = "0.1.0"

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import functional as MF
+from .attention import SDPA
 from .quant import QuantMixin, Quantizer
 
 
@@ -184,9 +185,10 @@ class Softmax(_TwoQuant, nn.Softmax):
         self.tag = "softmax"
 
     def forward(self, x):
-        if self.quant2.enable and self.training and _needs_grad(x):
+        if (self.quant2.enable or self.quant1.enable) and self.training and _needs_grad(x):
             dim = self.dim if self.dim is not None else F._get_softmax_dim("softmax", x.dim(), 3)
-            return MF.softmax_fn(x, dim, self.quant2)
+            # the output is stored by quant2; a policy enabling only quant1 (softmax-1) gets it
+            return MF.softmax_fn(x, dim, self.quant2 if self.quant2.enable else self.quant1)
         return F.softmax(x, self.dim, _stacklevel=5)
 
 
@@ -208,4 +210,4 @@ class MatMul(_TwoQuant, nn.Module):
         return torch.matmul(a, b)
 
 
-MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm2d, Softmax, MatMul)
+MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm2d, Softmax, MatMul, SDPA)

@@ -33,7 +33,7 @@ from .quant import SUPPORTED_BITS, QuantMixin, parse_groups
 _log = logging.getLogger("mesa_ops")
 
 TAGS = ("conv", "fc", "eltwise", "shuffle", "concat", "norm", "gelu", "layernorm", "matmul",
-        "softmax", "bn", "relu")  # the original's order of index assignment
+        "softmax", "bn", "relu", "attention")  # the original's order of index assignment (+ SDPA)
 SUB_TAGS = ("matmul-1", "matmul-2", "softmax-1", "softmax-2")  # quant1/quant2 of MatMul/Softmax
 
 

@@ -244,7 +244,7 @@ on softmax:
 
 BAD = [
     ("missing colon", "on fc:\n    by_index all\n", 2, "missing ':'"),
-    ("unknown tag", "on attention:\n    by_index: all\n    enable: True\n", 1, "tag"),
+    ("unknown tag", "on attn:\n    by_index: all\n    enable: True\n", 1, "tag"),
     ("key before by_index", "on fc:\n    enable: True\n", 2, "expected 'by_index:'"),
     ("no section", "by_index: all\nenable: True\n", 1, "section header"),
     ("bad level", "on fc:\n    by_index: all\n    level: 100\n", 3, "bad value for 'level'"),

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, no_autocast
-from ..quant import release, save_for_backward, saved_tensors
+from ..quant import find_saved, release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):
@@ -13,7 +13,10 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, quant, cdt):
         xc = x.to(cdt)
         y = F.linear(xc, weight.to(cdt), None if bias is None else bias.to(cdt))
-        save_for_backward(ctx, quant.quantize(xc), weight)
+        qx = find_saved(x, quant.bits)  # e.g. the packed output of a Mesa SDPA (stored once)
+        if qx is None or qx.dtype != xc.dtype or qx.groups != quant.groups_for(xc.shape)[0]:
+            qx = quant.quantize(xc)
+        save_for_backward(ctx, qx, weight)
         ctx.cdt, ctx.x_dtype, ctx.has_bias = cdt, x.dtype, bias is not None
         ctx.b_dtype = None if bias is None else bias.dtype
         return y

@@ -1,0 +1,112 @@
+"""``SDPA``: Mesa attention on PyTorch's fused scaled-dot-product attention kernels.
+
+The paper (Pan et al., arXiv 2111.11124) compresses attention as three layers -- q @ k^T,
+softmax, attn @ v -- and so stores the N x M attention matrix (at 8 bits). Exact training with
+PyTorch's fused SDPA keeps no such matrix, only q, k, v, the output and the logsumexp. ``SDPA``
+combines the two: the forward is the fused kernel PyTorch would run (bit-identical output), and
+backward keeps q, k, v and the output packed by four quantizers (head-wise groups) plus the fp32
+logsumexp; see :mod:`mesa_ops.functional.attention`.
+
+State dict: ``quant_q.*``, ``quant_k.*``, ``quant_v.*``, ``quant_o.*`` (each ``clip_val``,
+``shift``, ``iteration`` with one entry per head). Policy tag ``attention`` (``on attention:``
+in a policy file); the settings apply to the four quantizers, and a quantizer turned off on its
+own (``sdpa.quant_k.enable = False``) stores its tensor exactly.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .functional.attention import build_mask, head_layout, sdpa_fn, token_layout
+from .quant import Quantizer
+
+__all__ = ["SDPA", "QUANTIZERS"]
+QUANTIZERS = ("quant_q", "quant_k", "quant_v", "quant_o")
+_PROXIED = ("enable", "bits", "level", "ema_decay", "quant_groups", "stochastic", "range_mode",
+            "check_finite", "index", "group_size", "layer_name")
+
+
+def _proxy(name):
+    def get(self):
+        return getattr(self.quant_q, name)
+
+    def set_(self, value):
+        for q in QUANTIZERS:
+            setattr(getattr(self, q), name, value)
+    return property(get, set_)
+
+
+class SDPA(nn.Module):
+    """``F.scaled_dot_product_attention`` as a Mesa layer (no parameters).
+
+    Args (the Mesa layers' signature): ``quant_groups`` = number of heads (one group per head),
+    ``bits`` 8 / 4 / 2, ``enable`` / ``mesa`` to switch compression on.
+
+    ``forward(q, k, v, attn_mask=None, scale=None, window_mask=None, merge_heads=False)``:
+    q (B, H, N, D), k and v (B, H, M, D); ``attn_mask`` an additive float mask broadcastable to
+    (B, H, N, M) (it may need a gradient, e.g. a relative position bias); ``window_mask`` (W, N, M)
+    added to batch item b's scores for window b % W (B a multiple of W). Returns (B, H, N, D), or
+    (B, N, H * D) with ``merge_heads`` (then the following Mesa Linear reuses the packed output).
+    Compression acts in training mode when a gradient is needed; otherwise this is exactly
+    ``F.scaled_dot_product_attention`` (the window mask passed as the models do: 5-D inputs).
+    Attention dropout is not offered: the fused kernels cannot give back the dropout mask for a
+    compressed backward (the models use the explicit path when ``attn_drop > 0``).
+    """
+
+    tag = "attention"
+
+    def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
+        super().__init__()
+        on = bool(mesa or enable)
+        for name in QUANTIZERS:
+            setattr(self, name, Quantizer(quant_groups, tag=f"attention-{name[-1]}", enable=on, bits=bits))
+
+    def update_quantization_parameter(self, **parameters):
+        from .policy import update_quantization_parameter
+        return update_quantization_parameter(self, **parameters)
+
+    def describe(self) -> str:
+        name = getattr(self, "layer_name", None)
+        return f"SDPA{f' {name!r}' if name else ''} (tag=attention)"
+
+    def _resize_groups(self, g: int) -> None:
+        for q in QUANTIZERS:
+            getattr(self, q)._resize_groups(g)
+
+    def extra_repr(self) -> str:
+        return (f"enable={self.enable}, bits={self.bits}, quant_groups={self.quant_groups}, "
+                f"index={self.index}")
+
+    def active(self, *tensors) -> bool:
+        """Whether a forward on ``tensors`` would compress (training, a quantizer on, grad needed)."""
+        return (self.training and any(getattr(self, q).enable for q in QUANTIZERS)
+                and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+    def forward(self, q, k, v, attn_mask=None, scale=None, window_mask=None, merge_heads=False):
+        if self.active(q, k, v, attn_mask):
+            return sdpa_fn(q, k, v, attn_mask, window_mask, scale, self, merge=merge_heads)
+        out = exact_sdpa(q, k, v, attn_mask, window_mask, scale)
+        return token_layout(out) if merge_heads else out
+
+
+for _n in _PROXIED:
+    setattr(SDPA, _n, _proxy(_n))
+
+
+def exact_sdpa(q, k, v, bias=None, window_mask=None, scale=None, dropout_p: float = 0.) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with the models' mask conventions (see :class:`SDPA`):
+    with ``window_mask`` (W, N, M) the inputs go in as (B // W, W, H, L, D). Returns (B, H, N, D)."""
+    B, H, N, D = q.shape
+    if window_mask is None:
+        am = None if bias is None else bias.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=am, dropout_p=dropout_p, scale=scale)
+    am = build_mask(bias, window_mask, B, q.dtype)
+    W = window_mask.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.reshape(B // W, W, H, N, D), k.reshape(B // W, W, *k.shape[1:]),
+        v.reshape(B // W, W, *v.shape[1:]), attn_mask=am, dropout_p=dropout_p, scale=scale)
+    return out.reshape(B, H, N, D)
+
+
+__all__ += ["exact_sdpa", "head_layout", "token_layout"]

@@ -1,0 +1,205 @@
+"""Mesa attention on PyTorch's scaled-dot-product attention (SDPA) kernels.
+
+The forward runs the very kernel ``F.scaled_dot_product_attention`` would run for the same inputs
+(the flash kernel on CPU, flash / memory-efficient on CUDA, the math composite where PyTorch uses
+it, e.g. when the additive mask needs a gradient), so the output is bit-identical to exact
+training. For backward it keeps only q, k, v and the output, each packed through the Quantizer
+(head-wise groups, as Mesa stores attention tensors: Pan et al., arXiv 2111.11124, Sec. 3.3), and
+the fp32 softmax statistics (logsumexp, (B, H, N)) of the fused kernels; no N x M attention matrix
+is stored. Backward dequantizes and calls PyTorch's own SDPA backward op (for the math path it
+recomputes the math composite under autograd from the dequantized tensors).
+
+Shapes: q (B, H, N, D), k and v (B, H, M, D) (M != N for PVT's spatial reduction); ``bias``
+broadcastable to (B, H, N, M) (Swin's relative position bias as (1, H, N, M)); ``window_mask``
+(W, N, M) with B = B' * W, added to window ``b % W`` (Swin's shifted windows). Head-wise packing:
+each of q, k, v, out is stored as its (B, N, H * D) token layout with H groups of D channels;
+the output's packed copy is attached to the merged (B, N, H * D) result so that the following
+projection Linear stores the same bytes instead of a second copy (as Softmax's output is shared
+with attn @ v).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..amp import no_autocast
+from ..quant import QTensor, attach_saved, release, save_for_backward, saved_tensors
+
+aten = torch.ops.aten
+# torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
+MATH, FLASH, EFFICIENT = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_dtype(device_type: str, amp_dtype: torch.dtype, in_dtype: torch.dtype) -> torch.dtype:
+    x = torch.ones(1, 1, 2, 8, dtype=in_dtype, device=device_type)
+    with torch.no_grad(), torch.autocast(device_type, dtype=amp_dtype):
+        return torch.nn.functional.scaled_dot_product_attention(x, x, x).dtype
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes in for ``x`` under the current autocast state."""
+    dev = x.device.type
+    if not x.is_floating_point() or not torch.is_autocast_enabled(dev):
+        return x.dtype
+    return _probe_dtype(dev, torch.get_autocast_dtype(dev), x.dtype)
+
+
+def build_mask(bias, window_mask, batch: int, dtype):
+    """The additive mask as the models pass it to SDPA: ``bias`` (broadcastable to (B, H, N, M))
+    or, with ``window_mask`` (W, N, M), (W, H, N, M) for 5-D (B // W, W, H, N, D) inputs."""
+    if window_mask is None:
+        return None if bias is None else bias.to(dtype)
+    if batch % window_mask.shape[0]:
+        raise ValueError(f"mesa SDPA: batch {batch} is not a multiple of the {window_mask.shape[0]} "
+                         "windows of window_mask")
+    am = window_mask.unsqueeze(1)
+    if bias is not None:
+        am = (bias if bias.dim() == 3 else bias.squeeze(0)).unsqueeze(0) + am
+    return am.to(dtype)
+
+
+def _split(t: torch.Tensor, window_mask):
+    """(B, H, L, D) -> (B // W, W, H, L, D) when a window mask is given."""
+    if window_mask is None:
+        return t
+    w = window_mask.shape[0]
+    return t.reshape(t.shape[0] // w, w, *t.shape[1:])
+
+
+def token_layout(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B, L, H * D), a view when ``x`` is a head-split token tensor."""
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+def head_layout(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """(B, L, H * D) -> (B, H, L, D) (a view)."""
+    b, n, c = t.shape
+    return t.view(b, n, heads, c // heads).transpose(1, 2)
+
+
+def _pack(quant, x4: torch.Tensor):
+    """Head-wise packed copy of (B, H, L, D) ``x4`` (its (B, L, H*D) layout, H groups of D), or
+    ``x4`` itself when this quantizer is off."""
+    return quant.quantize(token_layout(x4)) if quant.enable else x4
+
+
+def _unpack(item, heads: int):
+    return head_layout(item, heads) if item.dim() == 3 else item
+
+
+def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
+    """The backend ``F.scaled_dot_product_attention`` picks for these inputs (grad mode as now)."""
+    if q.dim() != 4:
+        return MATH
+    return int(aten._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
+
+
+class _SDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge):
+        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        B, H, N, D = qc.shape
+        am = build_mask(bias, window_mask, B, cdt)
+        extra = ()
+        if choice == FLASH and qc.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qc, kc, vc, 0.0, False,
+                                                                          attn_mask=am, scale=scale)
+        elif choice == FLASH:
+            (out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _) = aten._scaled_dot_product_flash_attention(
+                qc, kc, vc, 0.0, False, False, scale=scale)
+            extra = (cum_q, cum_k, rng, unused)
+            ctx.max_qk = (max_q, max_k)
+        elif choice == EFFICIENT:
+            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+                qc, kc, vc, am, True, 0.0, False, scale=scale)
+            extra = (seed, offset)
+        elif choice == MATH:
+            out = aten._scaled_dot_product_attention_math(
+                _split(qc, window_mask), _split(kc, window_mask), _split(vc, window_mask), am, 0.0,
+                False, None, scale=scale)[0].reshape(B, H, N, D)
+            lse = None
+        else:
+            raise NotImplementedError(f"mesa SDPA: backend {choice} (cuDNN / overrideable) is not "
+                                      "supported; disable it with torch.nn.attention.sdpa_kernel")
+        qo = _pack(mod.quant_o, out) if choice != MATH else None
+        save_for_backward(ctx, _pack(mod.quant_q, qc), _pack(mod.quant_k, kc), _pack(mod.quant_v, vc),
+                          qo, lse, bias, window_mask, *extra)
+        ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
+        y = token_layout(out) if merge else out
+        ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        items = saved_tensors(ctx)
+        qh, kh, vh, oh = (None if t is None else _unpack(t, ctx.heads) for t in items[:4])
+        lse, bias, window_mask = items[4:7]
+        extra = items[7:]
+        cdt, scale = ctx.cdt, ctx.scale
+        g = head_layout(gy, ctx.heads) if ctx.merge else gy
+        g = g.to(cdt)
+        gbias = None
+        am = build_mask(bias, window_mask, qh.shape[0], cdt)
+        if ctx.choice == FLASH and qh.device.type == "cpu":
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
+        elif ctx.choice == FLASH:
+            cum_q, cum_k, rng, unused = extra
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
+                g, qh, kh, vh, oh, lse, cum_q, cum_k, *ctx.max_qk, 0.0, False, rng, unused, scale=scale)
+        elif ctx.choice == EFFICIENT:
+            seed, offset = extra
+            need_bias = bias is not None and ctx.needs_input_grad[3]
+            gq, gk, gv, gb = aten._scaled_dot_product_efficient_attention_backward(
+                g, qh, kh, vh, am, oh, lse, seed, offset, 0.0, [True, True, True, need_bias], False,
+                scale=scale)
+            if need_bias:
+                gbias = gb.sum_to_size(bias.shape)
+        else:
+            with torch.enable_grad():
+                qr, kr, vr = (t.detach().requires_grad_() for t in (qh, kh, vh))
+                br = None if bias is None else bias.detach().requires_grad_(ctx.needs_input_grad[3])
+                amr = build_mask(br, window_mask, qr.shape[0], cdt)
+                out = aten._scaled_dot_product_attention_math(
+                    _split(qr, window_mask), _split(kr, window_mask), _split(vr, window_mask), amr, 0.0,
+                    False, None, scale=scale)[0].reshape(g.shape)
+                inputs = [qr, kr, vr] + ([br] if br is not None and br.requires_grad else [])
+                grads = torch.autograd.grad(out, inputs, g)
+            gq, gk, gv = grads[:3]
+            if len(grads) > 3:
+                gbias = grads[3]
+        release(qh, kh, vh, oh)
+        dq, dk, dv, db = ctx.dtypes
+        return (gq.to(dq), gk.to(dk), gv.to(dv), None if gbias is None else gbias.to(db),
+                None, None, None, None, None, None)
+
+
+def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale + bias (+ window_mask)) v, stored for backward by the quantizers of
+    ``mod`` (``quant_q``, ``quant_k``, ``quant_v``, ``quant_o``).
+
+    Returns (B, H, N, D), or with ``merge`` the (B, N, H * D) token layout that carries the
+    output's packed copy for the next Mesa Linear."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"mesa SDPA: expected 4-D (B, H, L, D) q, k, v, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if window_mask is not None and window_mask.dim() != 3:
+        raise ValueError(f"mesa SDPA: window_mask must be (W, N, M), got {tuple(window_mask.shape)}")
+    cdt = compute_dtype(q)
+    if window_mask is not None:
+        choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
+    else:
+        am = build_mask(bias, None, q.shape[0], cdt)
+        choice = sdp_choice(q.to(cdt), k.to(cdt), v.to(cdt), am, 0.0, scale)
+    with no_autocast(q):
+        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge)
+    node = y.grad_fn
+    qo = getattr(node, "mesa_qo", None)
+    if qo is not None:
+        attach_saved(y, qo)
+        node.mesa_qo = None
+    return y
