@@ -10,9 +10,11 @@ from .attention import SDPA
 from .layers import (MESA_LAYERS, BatchNorm2d, Conv2d, GELU, LayerNorm, Linear, MatMul, ReLU,
                      Softmax)
 from .memory import SavedActivationMeter, saved_activation_bytes
+from .audit import audit
+from .compress import compress
 from .quant import QTensor, QuantMixin, Quantizer
 
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
-           "functional", "reference", "SavedActivationMeter", "saved_activation_bytes"]
+           "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit"]
 __version__ = "0.1.0"

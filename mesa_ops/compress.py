@@ -1,0 +1,396 @@
+"""Mesa for a model you did not write: ``mesa_ops.compress(model, policy='mesa8')``.
+
+Converts a stock model (tested: timm's ViT / DeiT, Swin and PVT-v2) in place, without editing
+its code (Pan et al., Mesa, arXiv 2111.11124, Sec. 3-4):
+
+* ``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm`` (and timm's ``LayerNorm``), ``nn.BatchNorm2d``,
+  ``nn.GELU``, ``nn.Softmax``, ``nn.ReLU`` become Mesa layers through the conversion of
+  :mod:`mesa_ops.policy` (same parameter and buffer objects); timm's functional ``GELU`` /
+  ``GELUTanh`` modules (``F.gelu`` inside a module) become :class:`mesa_ops.GELU`.
+* timm's attention modules (``timm.layers.Attention``, Swin's ``WindowAttention``, PVT-v2's
+  ``Attention``) get their functional core compressed: their class is swapped for a subclass
+  that runs timm's own ``forward`` and, while Mesa is on (training, grad enabled, one of its
+  quantizers enabled), routes ``F.scaled_dot_product_attention`` to the explicit Mesa ops
+  ``mm1`` (q @ k^T), ``softmax``, ``mm2`` (attn @ v), each with one group per head (the paper's
+  head-wise quantization). Parameter names are kept; the only new state-dict keys are the
+  quantizers' (``attn.mm1.quant1.clip_val`` etc., the original Mesa names). Eval mode, and
+  training with Mesa off, run timm's forward untouched.
+* Groups: ``quant_groups='heads'`` gives the layers inside a block containing an attention
+  module one group per head of that block (as this repo's models do); elsewhere one group.
+
+A layer that saves activations for backward but has no Mesa counterpart is listed in the
+returned :class:`CompressReport` (and in a warning), never silently skipped; pass
+``example_inputs`` to also run :func:`mesa_ops.audit.audit` and list every module whose saved
+tensors stay uncompressed.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import layers as L
+from .attention import QUANTIZERS, SDPA, head_layout
+from .quant import QuantMixin
+from .policy import (PolicyError, convert_by_num_groups, deploy_on_init,
+                     mesa_layers, set_mesa)
+
+__all__ = ["compress", "CompressReport", "NAMED_POLICIES", "COMPRESSED_ATTENTION", "attention_core"]
+
+NAMED_POLICIES = {"mesa8": 8, "mesa4": 4, "mesa2": 2}
+# tags a named policy enables: the paper's Transformer ops plus the conv-net layers (the first
+# conv, which reads the image the caller holds anyway, stays exact: see configs/mesa/pvt_8bit.txt)
+POLICY_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax", "attention", "conv", "bn", "relu")
+
+# timm attention classes whose forward calls F.scaled_dot_product_attention on (B, H, N, D)
+# q, k, v when ``fused_attn`` is set (qualified names, so timm is not imported here)
+COMPRESSED_ATTENTION = (
+    "timm.layers.attention.Attention",
+    "timm.models.vision_transformer.Attention",
+    "timm.models.swin_transformer.WindowAttention",
+    "timm.models.pvt_v2.Attention",
+)
+# timm modules computing F.gelu(x) / F.gelu(x, approximate='tanh') and nothing else
+_GELU_MODULES = {"timm.layers.activations.GELU": "none", "timm.layers.activations.GELUTanh": "tanh"}
+# leaf modules that save nothing for backward (or only per-sample scalars)
+_SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten)
+_SAVE_NOTHING_NAMES = ("timm.layers.drop.DropPath", "timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool",
+                       "timm.layers.format.Format")
+
+
+def _qualname(obj) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass
+class CompressReport:
+    """What :func:`compress` did. ``unsupported``: (module name, class, why) of the modules that
+    save activations for backward exactly because Mesa has no counterpart for them."""
+    converted: dict = field(default_factory=dict)      # Mesa layer class -> count
+    attention: list = field(default_factory=list)      # names of the compressed attention modules
+    unsupported: list = field(default_factory=list)    # (name, class, reason)
+    policy: str = ""
+    audit: object = None                               # an AuditReport when example_inputs given
+
+    def summary(self) -> str:
+        conv = ", ".join(f"{k} {v}" for k, v in sorted(self.converted.items()))
+        lines = [f"mesa compress ({self.policy}): {conv}; {len(self.attention)} attention modules"]
+        if self.unsupported:
+            lines.append(f"not compressed ({len(self.unsupported)} modules):")
+            lines += [f"  {n or '(root)'} ({c}): {why}" for n, c, why in self.unsupported]
+        return "\n".join(lines)
+
+
+# ---- attention -----------------------------------------------------------------------------
+def _mesa_ops_of(module) -> tuple:
+    return tuple(getattr(module, n) for n in ("sdpa", "mm1", "softmax", "mm2")
+                 if isinstance(getattr(module, n, None), (SDPA, L.MatMul, L.Softmax)))
+
+
+def _any_enabled(*mods) -> bool:
+    for m in mods:
+        qs = [getattr(m, q) for q in QUANTIZERS] if isinstance(m, SDPA) else [m.quant1, m.quant2]
+        if any(bool(q.enable) for q in qs):
+            return True
+    return False
+
+
+def _additive_mask(q, k, attn_mask, is_causal: bool):
+    """A bool (True = attend) or causal mask as the additive float mask ms.SDPA takes."""
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        causal = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+        attn_mask = causal if attn_mask is None else _additive_mask(q, k, attn_mask, False) + causal
+    elif attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    return attn_mask
+
+
+def attention_core(mm1: L.MatMul, softmax: L.Softmax, mm2: L.MatMul, q, k, v, attn_mask=None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale=None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as the explicit Mesa ops (timm's non-fused path, used
+    when attention dropout is on, which the fused ms.SDPA does not offer):
+    softmax(q * scale @ k^T + mask) @ v with q (B, H, N, D), k and v (B, H, M, D) -> (B, H, N, D)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        raise NotImplementedError("mesa compress: grouped-query attention has no Mesa path")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    attn = mm1(q * scale, k.transpose(-2, -1))
+    mask = _additive_mask(q, k, attn_mask, is_causal)
+    if mask is not None:
+        attn = attn + mask
+    attn = softmax(attn)
+    if dropout_p > 0:
+        attn = F.dropout(attn, dropout_p, training=True)
+    return mm2(attn, v)
+
+
+class _SDPAToMesa(TorchFunctionMode):
+    """Routes the ``F.scaled_dot_product_attention`` call of one timm attention forward to its
+    Mesa ops. With ms.SDPA the result is computed in the merged (B, N, H*D) layout, which carries
+    the output's packed copy; timm's following ``x.transpose(1, 2).reshape(B, N, C)`` is given
+    that very tensor back (same values, a view of the same storage), so the projection Linear
+    stores the same bytes instead of a second copy. Every other torch function runs as it is."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner = owner
+        self.merged = None   # the (B, N, H*D) output of ms.SDPA
+        self.handed = ()     # the views of it handed back to timm's code
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attend(*args, **kwargs)
+        out = func(*args, **kwargs)
+        m = self.merged
+        if m is not None and args and any(args[0] is h for h in self.handed) and isinstance(out, torch.Tensor):
+            if out.shape == m.shape and out.data_ptr() == m.data_ptr() and out.stride() == m.stride():
+                return m  # x.transpose(1, 2).reshape(B, N, C): the tensor carrying the packed copy
+            if out.data_ptr() == m.data_ptr():
+                self.handed = self.handed + (out,)
+        return out
+
+    def _attend(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        o = self.owner
+        sdpa = getattr(o, "sdpa", None)
+        if sdpa is None:
+            return attention_core(o.mm1, o.softmax, o.mm2, q, k, v, attn_mask, dropout_p, is_causal,
+                                  scale, enable_gqa)
+        if dropout_p > 0:
+            raise NotImplementedError(f"mesa compress: {type(o).__name__} was compressed with the fused "
+                                      "ms.SDPA (attention dropout 0 at compress time); attention dropout "
+                                      f"{dropout_p} needs the explicit path: set attn_drop before compress")
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            raise NotImplementedError("mesa compress: grouped-query attention has no Mesa path")
+        self.merged = sdpa(q, k, v, attn_mask=_additive_mask(q, k, attn_mask, is_causal), scale=scale,
+                           merge_heads=True)
+        y = head_layout(self.merged, q.shape[1])
+        self.handed = (y,)
+        return y
+
+
+class MesaAttentionMixin:
+    """Mixed in front of a timm attention class: timm's forward, a Mesa attention core when on
+    (training, grad enabled, one of its quantizers enabled)."""
+
+    def mesa_active(self) -> bool:
+        return self.training and torch.is_grad_enabled() and _any_enabled(*_mesa_ops_of(self))
+
+    def forward(self, *args, **kwargs):
+        if not self.mesa_active():
+            return super().forward(*args, **kwargs)
+        if self._mesa_base == _WINDOW_ATTENTION and hasattr(self, "sdpa"):
+            return _window_attention_forward(self, *args, **kwargs)
+        fused = self.fused_attn
+        self.fused_attn = True  # timm's forward then calls SDPA, which the mode routes to Mesa
+        try:
+            with _SDPAToMesa(self):
+                return super().forward(*args, **kwargs)
+        finally:
+            self.fused_attn = fused
+
+
+_WINDOW_ATTENTION = "timm.models.swin_transformer.WindowAttention"
+
+
+def _window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """timm 1.0's ``WindowAttention.forward`` (fused path) with ms.SDPA taking the relative
+    position bias (1, H, N, N) and the shifted-window mask (W, N, N) apart, so that no
+    (B*W, H, N, N) mask is built and stored. x: (B*W, N, C) -> (B*W, N, C)."""
+    b_, n, _ = x.shape
+    qkv = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    x = self.sdpa(q, k, v, attn_mask=self._get_rel_pos_bias(), window_mask=mask, merge_heads=True)
+    x = self.proj(x)
+    return self.proj_drop(x)
+
+
+_SUBCLASSES: dict = {}
+
+
+def _mesa_attention_class(cls: type) -> type:
+    """A subclass of ``cls`` with :class:`MesaAttentionMixin` first (cached per class)."""
+    if cls not in _SUBCLASSES:
+        _SUBCLASSES[cls] = type(f"Mesa{cls.__name__}", (MesaAttentionMixin, cls),
+                                {"__module__": __name__, "_mesa_base": _qualname(cls), "__doc__": f"{cls.__qualname__} with a "
+                                 "Mesa attention core (mesa_ops.compress)."})
+    return _SUBCLASSES[cls]
+
+
+def _ref_tensor(module: nn.Module):
+    return next(iter(list(module.parameters()) + list(module.buffers())), None)
+
+
+def _compress_attention(module: nn.Module) -> None:
+    """Swap ``module``'s class for its Mesa subclass and give it head-wise Mesa attention ops:
+    ``sdpa`` (ms.SDPA, the fused kernel) or, when its attention dropout is on,
+    ``mm1`` / ``softmax`` / ``mm2`` (the explicit path, which keeps the dropout mask)."""
+    heads = int(module.num_heads)
+    drop = getattr(getattr(module, "attn_drop", None), "p", 0.0)
+    module.__class__ = _mesa_attention_class(type(module))
+    if drop > 0:
+        module.mm1 = L.MatMul(quant_groups=heads)
+        module.mm2 = L.MatMul(quant_groups=heads)
+        module.softmax = L.Softmax(dim=-1, quant_groups=heads)  # Swin's nn.Softmax had no state
+    else:
+        module.sdpa = SDPA(quant_groups=heads)
+    ref = _ref_tensor(module)
+    for m in _mesa_ops_of(module):
+        if ref is not None and ref.device.type != "meta":
+            m.to(ref.device)
+        m.train(module.training)
+
+
+def _is_timm_attention(module) -> bool:
+    return _qualname(module) in COMPRESSED_ATTENTION
+
+
+# ---- conversion ----------------------------------------------------------------------------
+def _convert_gelu_modules(model: nn.Module, groups_of) -> None:
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            approx = _GELU_MODULES.get(_qualname(child))
+            if approx is not None:
+                full = f"{parent_name}.{name}" if parent_name else name
+                new = L.GELU(approximate=approx, quant_groups=groups_of(full))
+                new.train(child.training)
+                setattr(parent, name, new)
+
+
+def _block_heads(model: nn.Module) -> dict[str, int]:
+    """{name of a module whose direct child is an attention module: its num_heads}."""
+    out = {}
+    for name, m in model.named_modules():
+        for child in m.children():
+            h = getattr(child, "num_heads", None)
+            if isinstance(h, int) and (_is_timm_attention(child) or isinstance(child, MesaAttentionMixin)):
+                out[name] = h
+    return out
+
+
+def _groups_resolver(model: nn.Module, quant_groups):
+    if quant_groups != "heads":
+        g = int(quant_groups)
+        return lambda name: g
+    blocks = sorted(_block_heads(model).items(), key=lambda kv: -len(kv[0]))
+
+    def groups_of(name: str) -> int:
+        for bname, h in blocks:
+            if not bname or name == bname or name.startswith(bname + "."):
+                return h
+        return 1
+    return groups_of
+
+
+def _convert_layers(model: nn.Module, quant_groups) -> None:
+    groups_of = _groups_resolver(model, quant_groups)
+    _convert_gelu_modules(model, groups_of)
+    if quant_groups != "heads":
+        convert_by_num_groups(model, int(quant_groups))
+        return
+    # blocks (innermost first) with the heads of their attention, then the rest with one group
+    for bname, h in sorted(_block_heads(model).items(), key=lambda kv: -len(kv[0])):
+        convert_by_num_groups(model.get_submodule(bname) if bname else model, h)
+    convert_by_num_groups(model, 1)
+
+
+# ---- listing what is not compressed ----------------------------------------------------------
+def _unsupported(model: nn.Module) -> list:
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, L.MESA_LAYERS + (MesaAttentionMixin, QuantMixin)):
+            continue
+        qn = _qualname(m)
+        if hasattr(m, "fused_attn") and hasattr(m, "num_heads"):
+            out.append((name, qn, "attention module of an unknown class: its q@k / softmax / "
+                        "attn@v (or SDPA) stay exact"))
+            continue
+        if list(m.children()):
+            continue
+        if isinstance(m, _SAVE_NOTHING) or qn in _SAVE_NOTHING_NAMES:
+            continue
+        if isinstance(m, nn.Dropout):
+            if m.p > 0:
+                out.append((name, qn, f"dropout p={m.p} saves its mask (1 byte per element)"))
+            continue
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d, nn.GELU, nn.Softmax, nn.ReLU)):
+            why = "a subclass with its own forward (or parametrized): left exact"
+        else:
+            why = "no Mesa counterpart: what it saves for backward stays exact"
+        out.append((name, qn, why))
+    return out
+
+
+# ---- policy --------------------------------------------------------------------------------
+def _apply_policy(model: nn.Module, policy) -> str:
+    if policy is None or policy is False or policy in ("off", "exact"):
+        return "off"
+    if isinstance(policy, dict):
+        set_mesa(model, **{"enable": True, **policy})
+        return f"dict {policy}"
+    if isinstance(policy, str) and policy in NAMED_POLICIES:
+        set_mesa(model, enable=True, bits=NAMED_POLICIES[policy], tags=POLICY_TAGS)
+        convs = [m for _, m in mesa_layers(model) if isinstance(m, L.Conv2d)]
+        if convs:
+            convs[0].enable = False  # the stem conv reads the image: kept exact
+        return policy
+    if isinstance(policy, (str, os.PathLike)) and os.path.isfile(policy):
+        deploy_on_init(model, os.fspath(policy), verbose=lambda *a: None)
+        return os.fspath(policy)
+    raise PolicyError(f"compress: policy={policy!r}: expected 'mesa8', 'mesa4', 'mesa2', 'off', a dict "
+                      "of mesa_ops.policy.set_mesa arguments or the path of an existing policy file")
+
+
+def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inputs=None,
+             return_report: bool = False, warn: bool = True):
+    """Make ``model`` train with Mesa, in place; returns the model (and the report).
+
+    Args:
+        model: a ``timm.create_model(...)`` ViT/DeiT, Swin, PVT-v2 (or any model made of the
+            layers Mesa knows; its own attention code then stays exact and is listed).
+        policy: 'mesa8' / 'mesa4' / 'mesa2' (fc, matmul, gelu, layernorm, softmax, conv, bn,
+            relu at that many bits; the first conv exact), 'off' (converted, compression off),
+            a policy file path (:func:`mesa_ops.policy.deploy_on_init`) or a dict of
+            :func:`mesa_ops.policy.set_mesa` arguments (e.g. ``{'bits': 4, 'tags': ['fc']}``).
+        quant_groups: 'heads' (one group per head inside attention blocks, one elsewhere) or an
+            int for every layer. Attention tensors are always grouped head-wise.
+        example_inputs: a tensor or tuple; when given, one training forward is audited
+            (:func:`mesa_ops.audit.audit`) and modules saving uncompressed tensors are listed.
+        return_report: return ``(model, CompressReport)`` instead of the model.
+        warn: emit a warning listing the modules left uncompressed.
+
+    Weights are the same tensor objects; outputs in eval mode and with Mesa off are those of the
+    original forward; in training with Mesa on the forward is the exact explicit attention
+    (equal to timm's fused SDPA up to float rounding).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compress: expected an nn.Module, got {type(model).__name__}")
+    for _, m in list(model.named_modules()):
+        if _is_timm_attention(m) and not isinstance(m, MesaAttentionMixin):
+            _compress_attention(m)
+    _convert_layers(model, quant_groups)
+    name = _apply_policy(model, policy)
+    report = CompressReport(policy=name)
+    for _, m in mesa_layers(model):
+        report.converted[type(m).__name__] = report.converted.get(type(m).__name__, 0) + 1
+    report.attention = [n for n, m in model.named_modules() if isinstance(m, MesaAttentionMixin)]
+    report.unsupported = _unsupported(model)
+    if example_inputs is not None:
+        from .audit import audit
+        report.audit = audit(model, example_inputs, verbose=False)
+        listed = {n for n, _, _ in report.unsupported}
+        for row in report.audit.modules:
+            if row.exact_bytes > 0 and row.name not in listed and not row.is_mesa:
+                report.unsupported.append((row.name, row.type, f"saved {row.exact_bytes} bytes "
+                                           "uncompressed in a training forward"))
+    if warn and report.unsupported:
+        warnings.warn(report.summary(), stacklevel=2)
+    return (model, report) if return_report else model
