@@ -394,3 +394,32 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
     if warn and report.unsupported:
         warnings.warn(report.summary(), stacklevel=2)
     return (model, report) if return_report else model
+
+
+def build_model(name: str, policy="mesa8", img_size: int | None = None, **kwargs) -> nn.Module:
+    """A model by name, with Mesa on per ``policy``: this repo's models (registered in timm as
+    ``mesa_<name>`` once ``models`` is imported) through their own ``ms_policy``; any other timm
+    model (or ``timm:<name>``, e.g. ``timm:deit_small_patch16_224`` for timm's DeiT) created by
+    ``timm.create_model`` (random init) and converted by :func:`compress`. ``img_size`` is passed
+    to models that take it (PVT-v2 does not: it runs at any size)."""
+    import timm
+
+    own = not name.startswith("timm:") and timm.is_model(f"mesa_{name}")
+    if name.startswith("timm:"):
+        name = name[len("timm:"):]
+    if not timm.is_model(f"mesa_{name}" if own else name):
+        raise ValueError(f"unknown model {name!r} (neither this repo's nor timm's)")
+    full = f"mesa_{name}" if own else name
+    extra = dict(kwargs, **({"ms_policy": None if policy in ("off", "exact") else policy} if own else {}))
+    if img_size is not None:
+        try:
+            model = timm.create_model(full, img_size=img_size, **extra)
+        except TypeError as exc:
+            if "img_size" not in str(exc):
+                raise
+            model = timm.create_model(full, **extra)
+    else:
+        model = timm.create_model(full, **extra)
+    if not own:
+        compress(model, policy, warn=False)
+    return model
