@@ -12,6 +12,7 @@ per head for q@k^T, softmax and attn@v (the paper's head-wise quantization); for
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +21,10 @@ import torch.nn.functional as F
 from timm.layers import DropPath, to_2tuple, trunc_normal_
 
 import mesa_ops as ms
+from mesa_ops.attention import exact_sdpa, token_layout
 
 __all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "init_prenorm_block", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+           "ATTN_IMPLS", "compresses", "set_attn_impl",
            "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
 
 
@@ -147,62 +150,97 @@ class Mlp(nn.Module):
         return x
 
 
-def _enabled(m: nn.Module) -> bool:
+def compresses(m: nn.Module) -> bool:
+    """Whether a Mesa layer would store anything compressed: any of its quantizers is enabled
+    (MatMul / Softmax: ``quant1`` or ``quant2``; SDPA: any of ``quant_q/k/v/o``)."""
+    qs = [q for q in m.children() if isinstance(q, ms.QuantMixin)]
+    if qs:
+        return any(q.enable for q in qs)
     return bool(getattr(m, "enable", False))
+
+
+ATTN_IMPLS = ("fused", "explicit")
+_warned_dropout: set = set()
 
 
 class AttentionOps(nn.Module):
     """Base of the attention modules: owns ``mm1`` (q @ k^T), ``softmax``, ``attn_drop`` and
-    ``mm2`` (attn @ v) under the original Mesa code's names, and runs them in :meth:`attend`.
+    ``mm2`` (attn @ v) under the original Mesa code's names, and ``sdpa`` (:class:`ms.SDPA`,
+    policy tag ``attention``), and runs them in :meth:`attend`.
 
-    With ``fused_attn`` the product runs as ``F.scaled_dot_product_attention`` unless Mesa would
-    compress one of mm1 / softmax / mm2 (enabled, training, grad on): then the explicit path runs
-    them as Mesa modules (forward output bit-identical to the explicit path with Mesa off).
+    Paths (:meth:`attention_path`):
+      * ``'mesa-sdpa'``: training with ``sdpa`` enabled, ``attn_impl='fused'`` (the default) and
+        ``fused_attn``: PyTorch's fused SDPA, q/k/v/out stored packed (no N x M matrix is kept);
+      * ``'mesa-explicit'``: training with any quantizer of mm1 / softmax / mm2 enabled (and not the
+        above): q @ k^T, softmax, attn @ v as Mesa modules, the paper's configuration; also taken
+        when ``attn_drop > 0`` (the fused kernels cannot hand back the dropout mask);
+      * ``'sdpa'``: exact ``F.scaled_dot_product_attention`` (with ``fused_attn``), else
+        ``'explicit'`` (exact q @ k^T / softmax / attn @ v).
+    Every path's forward output is the exact op's; all four modules always exist, so checkpoints
+    load with either ``attn_impl``.
     """
 
     def init_attention_ops(self, num_heads: int, scale: float, attn_drop: float = 0.,
-                           matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, fused_attn: bool = True):
+                           matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, fused_attn: bool = True,
+                           attn_impl: str = "fused", sdpa_layer=ms.SDPA):
+        if attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
         self.num_heads = num_heads
         self.scale = scale
         self.fused_attn = fused_attn
+        self.attn_impl = attn_impl
         self.attn_drop = nn.Dropout(attn_drop)
         self.mm1 = build_layer(matmul_layer, quant_groups=num_heads)
         self.mm2 = build_layer(matmul_layer, quant_groups=num_heads)
         self.softmax = build_layer(softmax_layer, dim=-1, quant_groups=num_heads)
+        self.sdpa = build_layer(sdpa_layer, quant_groups=num_heads)
+
+    def attention_path(self) -> str:
+        """Which path the next forward takes: 'mesa-sdpa', 'mesa-explicit', 'sdpa' or 'explicit'."""
+        if self.training and torch.is_grad_enabled():
+            if self.attn_impl == "fused" and self.fused_attn and compresses(self.sdpa):
+                if self.attn_drop.p == 0:
+                    return "mesa-sdpa"
+                name = type(self).__name__
+                if name not in _warned_dropout:
+                    _warned_dropout.add(name)
+                    warnings.warn(f"{name}: attn_drop={self.attn_drop.p} > 0: the fused SDPA kernels "
+                                  "cannot give back their dropout mask for a compressed backward; "
+                                  "using the explicit q@k / softmax / attn@v path (compressed by the "
+                                  "matmul / softmax policy)", stacklevel=3)
+            if any(compresses(m) for m in (self.mm1, self.softmax, self.mm2)):
+                return "mesa-explicit"
+        return "sdpa" if self.fused_attn else "explicit"
 
     def uses_fused(self) -> bool:
-        """Whether the next forward takes the SDPA path."""
-        if not self.fused_attn:
-            return False
-        if self.training and torch.is_grad_enabled():
-            return not (_enabled(self.mm1) or _enabled(self.softmax) or _enabled(self.mm2))
-        return True
+        """Whether the next forward runs an SDPA kernel (exact or Mesa)."""
+        return self.attention_path() in ("sdpa", "mesa-sdpa")
 
-    def attend(self, q, k, v, bias=None, mask=None):
+    def attend(self, q, k, v, bias=None, mask=None, merge_heads: bool = False):
         """softmax(q k^T * scale + bias + mask) v.
 
         Args:
             q: (B, H, N, D); k, v: (B, H, M, D).
             bias: optional (H, N, M), added for every batch item (Swin's relative position bias).
             mask: optional (W, N, M) with B = B' * W, added per window (Swin's shifted windows).
+            merge_heads: return the (B, N, H * D) token layout (on the Mesa SDPA path it carries
+                the packed output, which the following Mesa Linear then stores no second time).
         Returns:
-            (B, H, N, D).
+            (B, H, N, D), or (B, N, H * D) with ``merge_heads``.
         """
-        if self.uses_fused():
+        path = self.attention_path()
+        if path == "mesa-sdpa":
+            am = None if bias is None else bias.unsqueeze(0)
+            return self.sdpa(q, k, v, attn_mask=am, scale=self.scale, window_mask=mask,
+                             merge_heads=merge_heads)
+        if path == "sdpa":
             drop = self.attn_drop.p if self.training else 0.
-            if mask is None:
-                am = None if bias is None else bias.unsqueeze(0).to(q.dtype)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=am, dropout_p=drop,
-                                                      scale=self.scale)
-            B, H, N, D = q.shape
-            W = mask.shape[0]
-            am = mask.unsqueeze(1) if bias is None else bias.unsqueeze(0) + mask.unsqueeze(1)
-            shape5 = (B // W, W, H)
-            out = F.scaled_dot_product_attention(
-                q.reshape(*shape5, N, D), k.reshape(*shape5, *k.shape[-2:]),
-                v.reshape(*shape5, *v.shape[-2:]), attn_mask=am.to(q.dtype), dropout_p=drop,
-                scale=self.scale)
-            return out.reshape(B, H, N, D)
+            out = exact_sdpa(q, k, v, None if bias is None else bias.unsqueeze(0), mask, self.scale, drop)
+        else:
+            out = self._explicit(q, k, v, bias, mask)
+        return token_layout(out) if merge_heads else out
+
+    def _explicit(self, q, k, v, bias, mask):
         q = q * self.scale
         attn = self.mm1(q, k.transpose(-2, -1))
         if bias is not None:
@@ -217,12 +255,25 @@ class AttentionOps(nn.Module):
         return self.mm2(attn, v)
 
 
+def set_attn_impl(model: nn.Module, attn_impl: str) -> int:
+    """Set ``attn_impl`` ('fused' or 'explicit') on every attention module of ``model``; returns
+    how many were set."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
+    n = 0
+    for m in model.modules():
+        if isinstance(m, AttentionOps):
+            m.attn_impl = attn_impl
+            n += 1
+    return n
+
+
 class Attention(AttentionOps):
     """Multi-head self-attention of ViT / DeiT: (B, N, C) -> (B, N, C); parameters ``qkv``, ``proj``."""
 
     def __init__(self, dim, num_heads=8, qkv_bias=False, qk_scale=None, attn_drop=0., proj_drop=0.,
                  linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
-                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True, attn_impl: str = "fused"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
@@ -231,13 +282,13 @@ class Attention(AttentionOps):
         self.proj = build_layer(linear_layer, dim, dim, quant_groups=qgroups(dim, num_heads, "attn.proj"))
         self.proj_drop = nn.Dropout(proj_drop)
         self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop,
-                                matmul_layer, softmax_layer, fused_attn)
+                                matmul_layer, softmax_layer, fused_attn, attn_impl)
 
     def forward(self, x):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        x = self.attend(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = self.attend(q, k, v, merge_heads=True)
         x = self.proj(x)
         x = self.proj_drop(x)
         return x

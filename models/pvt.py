@@ -64,7 +64,7 @@ class SRAttention(AttentionOps):
             x_ = x
         kv = self.kv(x_).reshape(B, -1, 2, h, C // h).permute(2, 0, 3, 1, 4)
         k, v = kv[0], kv[1]
-        x = self.attend(q, k, v).transpose(1, 2).reshape(B, N, C)
+        x = self.attend(q, k, v, merge_heads=True)
         x = self.proj(x)
         x = self.proj_drop(x)
         return x

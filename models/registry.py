@@ -28,7 +28,7 @@ __all__ = ["register_model", "create_model", "list_models", "is_model", "apply_p
 
 _log = logging.getLogger("models")
 TIMM_PREFIX = "mesa_"
-MESA_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax")
+MESA_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax", "attention")
 _SHORTHANDS = {"mesa8": 8, "mesa4": 4, "mesa2": 2}
 
 

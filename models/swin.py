@@ -88,8 +88,7 @@ class WindowAttention(AttentionOps):
         B_, N, C = x.shape
         qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
-        x = self.attend(q, k, v, bias=self.relative_position_bias(), mask=mask)
-        x = x.transpose(1, 2).reshape(B_, N, C)
+        x = self.attend(q, k, v, bias=self.relative_position_bias(), mask=mask, merge_heads=True)
         x = self.proj(x)
         x = self.proj_drop(x)
         return x
