@@ -1,0 +1,23 @@
+"""Classification data sets and samplers for ``tools/train.py`` (no data is stored here).
+
+    from data import build_dataset, build_transform, RASampler
+    train_set, num_classes = build_dataset(is_train=True, args=args)   # args: see training.args
+
+Data sets (``--data-set``):
+
+* ``IMNET``    ImageNet as an ImageFolder: ``<data-path>/train/<class>/*.JPEG``, ``<data-path>/val/<class>/...``
+* ``CIFAR100`` torchvision's on-disk format ``<data-path>/cifar-100-python/{meta,train,test}``; never
+  downloaded (``CIFAR`` is accepted, DeiT's name)
+* ``DIGITS``   the 1797 8x8 handwritten digits that scikit-learn ships, upscaled to RGB (32 px by
+  default), a fixed stratified 1497 / 300 train / val split: a real data set that needs no download
+* ``FAKE``     synthetic images (torchvision ``FakeData``: random pixels, random labels)
+
+Missing or malformed data raises :class:`DatasetError` with the expected layout.
+"""
+from .datasets import (DATASETS, DatasetError, DigitsDataset, build_dataset, dataset_defaults,
+                       digits_split)
+from .samplers import RASampler
+from .transforms import build_transform
+
+__all__ = ["build_dataset", "build_transform", "dataset_defaults", "DatasetError", "DigitsDataset",
+           "digits_split", "RASampler", "DATASETS"]

@@ -1,0 +1,35 @@
+"""Image transforms, as DeiT's ``build_transform``: timm's ``create_transform`` for training
+(RandAugment, color jitter, random erasing), resize + center crop for evaluation.
+
+Images of 32 px or less (CIFAR, DIGITS) are not resized: training replaces timm's random-resized
+crop by ``RandomCrop(size, padding=4)`` and evaluation only normalizes, as DeiT does.
+"""
+from __future__ import annotations
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from torchvision import transforms
+
+
+def build_transform(is_train: bool, args, hflip: float = 0.5):
+    """Transform PIL image -> normalized (3, S, S) float tensor, S = ``args.input_size``.
+
+    Reads ``args.input_size, color_jitter, aa, train_interpolation, reprob, remode, recount,
+    eval_crop_ratio``. ``hflip``: horizontal flip probability (0 for digits)."""
+    size = int(args.input_size)
+    resize_im = size > 32
+    if is_train:
+        aa = None if args.aa in (None, "", "none", "None") else args.aa
+        t = create_transform(input_size=size, is_training=True, color_jitter=args.color_jitter or None,
+                             auto_augment=aa, interpolation=args.train_interpolation, hflip=hflip,
+                             re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
+                             mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
+        if not resize_im:
+            t.transforms[0] = transforms.RandomCrop(size, padding=4)
+        return t
+    ops = []
+    if resize_im:
+        ops += [transforms.Resize(int(size / args.eval_crop_ratio),
+                                  interpolation=transforms.InterpolationMode.BICUBIC),
+                transforms.CenterCrop(size)]
+    ops += [transforms.ToTensor(), transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)]
+    return transforms.Compose(ops)

@@ -1,0 +1,176 @@
+"""tools/train.py / the training package end to end on CPU: one epoch on FAKE and on DIGITS with
+Mesa (finite loss, checkpoint written and weights_only-loadable, ``--eval --resume`` (also a
+file:// URL) prints the same accuracy), exact resume, the throughput protocol, DeiT's spellings,
+and bad arguments (one-line error, non-zero exit, no traceback). The 2-process torchrun run is in
+tests/test_train_dist.py."""
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import models
+import training
+from training.args import parse_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TRAIN_PY = ROOT / "tools" / "train.py"
+# a DeiT-Ti with 1 block of width 32 on 32 px images, patch 8 (16 tokens): seconds per epoch
+TINY = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=8", "depth=1", "embed_dim=32",
+        "num_heads=2", "--input-size", "32", "--num-workers", "0", "--print-freq", "2", "--device", "cpu"]
+FAKE = ["--data-set", "FAKE", "--fake-size", "64", "--batch-size", "16"]
+ACC_LINE = re.compile(r"^\* Acc@1 [\d.]+ Acc@5 [\d.]+ loss [\d.]+$", re.M)
+
+
+def run(argv) -> dict:
+    return training.main(parse_args([str(a) for a in argv]))
+
+
+def acc_lines(text: str) -> list[str]:
+    return ACC_LINE.findall(text)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: these tiny models gain nothing from two, and on a busy shared box
+    OpenMP's spinning threads make them ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch, tmp_path):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # torch.hub caches URLs by file name
+
+
+def test_fake_one_epoch_checkpoint_logs_and_eval_from_url(tmp_path, capsys):
+    out = tmp_path / "run"
+    stats = run(TINY + FAKE + ["--epochs", "1", "--output-dir", out])
+    text = capsys.readouterr().out
+    assert torch.isfinite(torch.tensor(stats["train_loss"]))
+    assert re.search(r"Epoch: \[0\]  \[0/4\]  eta: \S+  lr: [\d.]+  loss: [\d.]+ \([\d.]+\)  img/s: [\d.]+  "
+                     r"time: [\d.]+  data: [\d.]+  max mem: \d+", text), text
+    for name in ("checkpoint.pth", "best_checkpoint.pth", "args.json", "log.txt"):
+        assert (out / name).is_file(), name
+    assert list(out.glob("events.out.tfevents.*")), "no tensorboard file"
+    assert not list(out.glob(".tmp_*")), "temporary checkpoint left behind"
+    ck = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert ck["epoch"] == 0 and isinstance(ck["args"], dict) and ck["args"]["data_set"] == "FAKE"
+    assert {"model", "optimizer", "lr_scheduler", "model_ema", "rng", "meta"} <= set(ck)
+    rec = json.loads((out / "log.txt").read_text().splitlines()[-1])
+    assert rec["epoch"] == 0 and rec["test_acc1"] == stats["test_acc1"] and rec["train_saved_act_mib"] > 0
+    assert json.loads((out / "args.json").read_text())["model"] == "deit_tiny_patch16_224"
+    trained = acc_lines(text)
+    assert len(trained) == 1
+
+    run(TINY + FAKE + ["--eval", "--resume", (out / "checkpoint.pth").as_uri()])
+    assert acc_lines(capsys.readouterr().out) == trained
+
+
+def test_digits_with_mesa_one_epoch_then_eval(tmp_path, capsys):
+    out = tmp_path / "digits"
+    stats = run(TINY + ["--data-set", "DIGITS", "--batch-size", "128", "--epochs", "1", "--output-dir", out,
+                        "--ms-policy", ROOT / "configs/mesa/mesa_8bit.txt", "--unscale-lr", "--lr", "2e-3",
+                        "--warmup-epochs", "0", "--mixup", "0", "--cutmix", "0"])
+    text = capsys.readouterr().out
+    assert "mesa policy: fc:" in text and torch.isfinite(torch.tensor(stats["train_loss"]))
+    ck = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert all(m["enable"] for n, m in ck["meta"]["mesa"].items() if "fc" in n)
+    on = {n for n, m in ck["meta"]["mesa"].items() if m["enable"]}
+    iters = {k: float(v) for k, v in ck["model"].items()
+             if k.endswith(".iteration") and re.sub(r"(\.quant[12])?\.iteration$", "", k) in on}
+    used = [v for v in iters.values() if v > 0]  # (attention may store q/k/v via SDPA instead of mm1/mm2)
+    assert len(used) >= 6 and set(used) == {11.0}  # fc, gelu, layernorm...: 1497 // 128 steps each
+    trained = acc_lines(text)
+    run(TINY + ["--data-set", "DIGITS", "--batch-size", "128", "--eval", "--resume", out / "checkpoint.pth",
+                "--ms-policy", ROOT / "configs/mesa/mesa_8bit.txt"])
+    assert acc_lines(capsys.readouterr().out) == trained
+
+
+def test_resume_is_exact(tmp_path, capsys):
+    """2 epochs straight == 1 epoch, stop, resume 1 epoch: the same weights, EMA, optimizer state,
+    with every random stream in use (mixup / cutmix, RandAugment, random erasing, drop path,
+    Mesa's stochastic rounding)."""
+    common = TINY + FAKE + ["--epochs", "2", "--mesa-bits", "8", "--drop-path", "0.1", "--warmup-epochs", "1",
+                            "--model-ema-decay", "0.9"]
+    run(common + ["--output-dir", tmp_path / "straight"])
+    run(common + ["--output-dir", tmp_path / "split", "--stop-after", "1"])
+    assert torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=True)["epoch"] == 0
+    run(common + ["--output-dir", tmp_path / "split", "--resume", tmp_path / "split" / "checkpoint.pth"])
+    assert "resumed from" in capsys.readouterr().out
+    a = torch.load(tmp_path / "straight" / "checkpoint.pth", weights_only=True)
+    b = torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 1
+    assert any(float(v) > 0 for k, v in a["model"].items() if k.endswith("iteration"))
+    for part in ("model", "model_ema"):
+        for k, v in a[part].items():
+            assert torch.equal(v, b[part][k]), f"{part}.{k} differs after resume"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+    assert torch.equal(a["rng"][0]["torch"], b["rng"][0]["torch"])
+    # a different seed gives different weights: the comparison above can fail
+    run(common + ["--output-dir", tmp_path / "other", "--seed", "1", "--stop-after", "1"])
+    c = torch.load(tmp_path / "other" / "checkpoint.pth", weights_only=True)
+    d = torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=True)
+    assert not torch.equal(c["model"]["head.weight"], d["model"]["head.weight"])
+
+
+def test_train_throughput_protocol(capsys):
+    stats = run(TINY + FAKE + ["--train-throughput", "--mesa-bits", "8"])
+    text = capsys.readouterr().out
+    assert re.search(r"batch_size 16 throughput [\d.]+ img/s \([\d.]+ ms / step, 20 warm-up \+ 30 timed steps\)",
+                     text)
+    assert re.search(r"memory usage: \d+ MB \(peak RSS\)", text)
+    assert stats["img/s"] > 0 and stats["max_mem_mb"] > 0
+
+
+def test_deit_spellings_and_defaults():
+    a = parse_args(["--model", "deit_small_patch16_224", "--data-path", "/d", "--output_dir", "o", "--num_workers",
+                    "3", "--dist_url", "tcp://h:1", "--ms_policy", "p.txt", "--batch-size", "128", "--no-model-ema"])
+    assert (a.output_dir, a.num_workers, a.dist_url, a.ms_policy, a.data_path) == ("o", 3, "tcp://h:1", "p.txt", "/d")
+    assert (a.batch_size, a.model_ema, a.lr, a.weight_decay, a.smoothing, a.mixup, a.cutmix, a.reprob) == \
+           (128, False, 5e-4, 0.05, 0.1, 0.8, 1.0, 0.25)
+    assert a.aa == "rand-m9-mstd0.5-inc1" and a.repeated_aug and a.warmup_epochs == 5 and a.sched == "cosine"
+    b = parse_args(["--output-dir", "o", "--num-workers", "1", "--data-set", "cifar"])
+    assert (b.output_dir, b.num_workers, b.data_set) == ("o", 1, "CIFAR")
+
+
+def _cli_error(argv) -> str:
+    main = runpy.run_path(str(TRAIN_PY), run_name="train_under_test")["main"]
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    msg = exc.value.code
+    assert isinstance(msg, str) and msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def test_bad_arguments_give_one_line_errors(tmp_path):
+    assert "unknown model 'deit_nope'" in _cli_error(["--model", "deit_nope", "--data-set", "FAKE"])
+    msg = _cli_error(TINY + ["--data-set", "IMNET", "--data-path", tmp_path / "no_imagenet"])
+    assert "ImageNet folder" in msg and "train/n01440764" in msg
+    bad = tmp_path / "bad_policy.txt"
+    bad.write_text("on fc:\n    by_index: all\n    enable: maybe\n")
+    assert "bad_policy.txt" in _cli_error(TINY + FAKE + ["--ms-policy", bad])
+    assert "no such file" in _cli_error(TINY + FAKE + ["--ms-policy", tmp_path / "none.txt"])
+    other = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=1, embed_dim=48, num_heads=2,
+                                img_size=32, num_classes=10)
+    models.save_checkpoint(other, tmp_path / "other.pth")
+    msg = _cli_error(TINY + FAKE + ["--eval", "--resume", tmp_path / "other.pth"])
+    assert "does not fit VisionTransformer" in msg and "shape mismatch" in msg
+
+
+def test_cli_error_exit_status_without_traceback():
+    p = subprocess.run([sys.executable, str(TRAIN_PY), "--model", "deit_nope", "--data-set", "FAKE"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 1
+    assert "Traceback" not in p.stderr and p.stderr.strip().startswith("error: unknown model 'deit_nope'"), p.stderr

@@ -1,0 +1,24 @@
+"""Train or evaluate a classifier, exact or with Mesa (DeiT's recipe and flags).
+
+    python tools/train.py --model deit_tiny_patch16_224 --data-set IMNET --data-path /imagenet \
+        --batch-size 128 --output-dir outputs/deit_ti_mesa --ms-policy configs/mesa/mesa_8bit.txt
+    torchrun --nproc_per_node 8 tools/train.py ...          # DDP (scripts/dist_train.sh)
+    python tools/train.py --eval --resume CHECKPOINT_OR_URL --model ... --data-set ...
+
+See ``python tools/train.py --help`` and the package ``training``.
+"""
+import sys
+
+import training
+
+
+def main(argv=None) -> None:
+    args = training.get_args_parser().parse_args(argv)
+    try:
+        training.main(args)
+    except training.KNOWN_ERRORS as exc:
+        sys.exit(f"error: {training.one_line(exc)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""``training.main(args)``: build data, model (exact or Mesa), optimizer and schedule from the
+arguments of :mod:`training.args`, then train (DeiT's recipe), evaluate (``--eval``) or time
+training (``--train-throughput``)."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+from timm.optim import create_optimizer_v2
+from timm.scheduler import create_scheduler_v2
+from timm.utils import ModelEmaV3
+
+import data
+import mesa_ops as ms
+import models
+
+from . import checkpoint as ckpt
+from .args import args_to_dict
+from .distributed import all_gather_object, barrier, cleanup, get_rank, init_distributed_mode, is_main_process
+from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
+from .logs import JsonLog, TensorBoard, log, save_args
+
+__all__ = ["UsageError", "main", "resolve_args", "build_model"]
+
+
+class UsageError(ValueError):
+    """Arguments that cannot work (unknown model, missing file, impossible combination)."""
+
+
+def resolve_args(args):
+    """Check the arguments and fill the defaults that depend on the machine or data set."""
+    args.data_set = data.datasets.canonical_name(args.data_set)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if str(args.device).startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device here (use --device cpu)")
+    if args.amp is None:
+        args.amp = "fp16" if str(args.device).startswith("cuda") else "none"
+    if args.input_size is None:
+        args.input_size = data.dataset_defaults(args.data_set)["input_size"]
+    if not models.is_model(args.model):
+        raise UsageError(f"unknown model {args.model!r}; known: {', '.join(models.list_models())}")
+    if args.ms_policy and not os.path.isfile(args.ms_policy):
+        raise UsageError(f"--ms-policy {args.ms_policy}: no such file (the paper's are in configs/mesa/)")
+    for flag, path in (("--resume", args.resume), ("--finetune", args.finetune)):
+        if path and "://" not in path and not os.path.isfile(path):
+            raise UsageError(f"{flag} {path}: no such file")
+    if args.eval and not args.resume:
+        raise UsageError("--eval needs --resume PATH_OR_URL (the checkpoint to evaluate)")
+    if args.batch_size < 1 or args.epochs < 1:
+        raise UsageError("--batch-size and --epochs must be >= 1")
+    return args
+
+
+def build_model(args, num_classes: int):
+    """The model of ``args.model`` with Mesa per ``--ms-policy`` / ``--mesa-bits``."""
+    kwargs = dict(num_classes=num_classes, drop_rate=args.drop, drop_path_rate=args.drop_path)
+    if args.input_size != 224:
+        kwargs["img_size"] = args.input_size
+    kwargs.update(args.model_kwargs or {})
+    try:
+        model = models.create_model(args.model, **kwargs)
+    except TypeError as exc:
+        raise UsageError(f"--model {args.model} with {kwargs}: {exc}") from exc
+    if args.finetune:
+        models.load_checkpoint(model, args.finetune, skip=("head.*", "head_dist.*"), verbose=log)
+    if args.ms_policy:
+        ms.policy.deploy_on_init(model, args.ms_policy, verbose=log)
+        if args.mesa_bits:
+            for _, m in ms.policy.mesa_layers(model):
+                if m.enable:
+                    m.bits = args.mesa_bits
+    elif args.mesa_bits:
+        models.apply_policy(model, f"mesa{args.mesa_bits}", verbose=log)
+    if hasattr(ms, "set_dist_sync"):
+        ms.set_dist_sync(model, not args.no_mesa_dist_sync)
+    return model
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _loaders(args, dist_info, train_set, val_set):
+    world, rank = dist_info.world_size, dist_info.rank
+    if dist_info.distributed and args.repeated_aug:
+        sampler_train = data.RASampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    else:  # DistributedSampler also for one process: its order depends on seed + epoch only
+        sampler_train = torch.utils.data.DistributedSampler(train_set, num_replicas=world, rank=rank,
+                                                            shuffle=True, seed=args.seed)
+    if dist_info.distributed and args.dist_eval:
+        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
+    else:
+        sampler_val = torch.utils.data.SequentialSampler(val_set)
+    common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
+                  persistent_workers=False)
+    if len(sampler_train) < args.batch_size:
+        raise UsageError(f"--batch-size {args.batch_size} is larger than this rank's "
+                         f"{len(sampler_train)} training images")
+    train = torch.utils.data.DataLoader(train_set, sampler=sampler_train, batch_size=args.batch_size,
+                                        drop_last=True, **common)
+    val = torch.utils.data.DataLoader(val_set, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
+                                      drop_last=False, **common)
+    return train, val, sampler_train
+
+
+def main(args) -> dict:
+    """Run what ``args`` asks; returns the last evaluation / throughput stats (main process)."""
+    resolve_args(args)
+    dist_info = init_distributed_mode(args.device, args.dist_url)
+    try:
+        return _run(args, dist_info)
+    finally:
+        cleanup()
+
+
+def _run(args, dist_info) -> dict:
+    device = torch.device(f"cuda:{dist_info.local_rank}" if args.device == "cuda" and dist_info.distributed
+                          else args.device)
+    args.world_size = dist_info.world_size
+    _seed(args.seed + dist_info.rank)
+    if args.output_dir and is_main_process():
+        os.makedirs(args.output_dir, exist_ok=True)
+    log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), device {device}, "
+        f"amp {args.amp}")
+
+    train_set, num_classes = data.build_dataset(True, args)
+    val_set, _ = data.build_dataset(False, args)
+    loader_train, loader_val, sampler_train = _loaders(args, dist_info, train_set, val_set)
+
+    model = build_model(args, num_classes).to(device)
+    model_without_ddp = model
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
+    log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled")
+
+    model_ema = None
+    if args.model_ema and not args.eval:
+        model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
+                               device="cpu" if args.model_ema_force_cpu else None)
+    if dist_info.distributed:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None)
+        model_without_ddp = model.module
+
+    global_batch = args.batch_size * dist_info.world_size
+    base_lr = args.lr
+    if not args.unscale_lr:
+        args.lr = base_lr * global_batch / 512.0
+    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                    momentum=args.momentum, eps=args.opt_eps,
+                                    **({"betas": tuple(args.opt_betas)} if args.opt_betas else {}))
+    loss_scaler = make_scaler(args.amp, device)
+    lr_scheduler, _ = create_scheduler_v2(
+        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
+        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
+        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
+        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed)
+
+    mixup_fn = None
+    if args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None:
+        mixup_fn = Mixup(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, cutmix_minmax=args.cutmix_minmax,
+                         prob=args.mixup_prob, switch_prob=args.mixup_switch_prob, mode=args.mixup_mode,
+                         label_smoothing=args.smoothing, num_classes=num_classes)
+        criterion = SoftTargetCrossEntropy()
+    elif args.smoothing > 0:
+        criterion = LabelSmoothingCrossEntropy(smoothing=args.smoothing)
+    else:
+        criterion = torch.nn.CrossEntropyLoss()
+
+    max_accuracy = 0.0
+    rng_to_restore = None
+    if args.resume:
+        obj = ckpt.read_checkpoint(args.resume)
+        try:
+            report = models.load_checkpoint(model_without_ddp, obj, verbose=log)
+        except models.CheckpointError as exc:
+            raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
+        if not args.eval and isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
+            optimizer.load_state_dict(obj["optimizer"])
+            lr_scheduler.load_state_dict(obj["lr_scheduler"])
+            loss_scaler.load_state_dict(obj.get("scaler", {}))
+            if model_ema is not None and "model_ema" in obj:
+                model_ema.load_state_dict(obj["model_ema"])
+            args.start_epoch = int(obj["epoch"]) + 1
+            max_accuracy = float(obj.get("max_accuracy", 0.0))
+            rng = obj.get("rng") or []
+            if len(rng) == dist_info.world_size:
+                rng_to_restore = rng[dist_info.rank]
+            else:
+                log(f"resume: the checkpoint holds RNG states of {len(rng)} ranks, this run has "
+                    f"{dist_info.world_size}: random streams restart from --seed")
+            log(f"resumed from {report.source} at epoch {args.start_epoch}")
+
+    if args.eval:
+        stats = evaluate(loader_val, model, device, args.amp, num_classes, use_tqdm=args.tqdm)
+        log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
+        return stats
+    if args.train_throughput:
+        return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp, mixup_fn)
+
+    args_dict = args_to_dict(args)
+    save_args(args_dict, args.output_dir)
+    tb = TensorBoard(None if args.no_tensorboard or not args.output_dir else args.output_dir)
+    jlog = JsonLog(args.output_dir)
+    if rng_to_restore is not None:
+        ckpt.set_rng_states(rng_to_restore)
+    log(f"Start training for {args.epochs} epochs (lr {args.lr:.3g} = {base_lr:g} x {global_batch} / 512)")
+    start = time.time()
+    stats = {}
+    last = args.epochs if args.stop_after is None else min(args.epochs, args.start_epoch + args.stop_after)
+    for epoch in range(args.start_epoch, last):
+        sampler_train.set_epoch(epoch)
+        train_stats = train_one_epoch(
+            model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
+            max_norm=args.clip_grad, model_ema=model_ema, mixup_fn=mixup_fn, print_freq=args.print_freq,
+            use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp)
+        lr_scheduler.step(epoch + 1)
+        test_stats = evaluate(loader_val, model, device, args.amp, num_classes, print_freq=args.print_freq * 10,
+                              use_tqdm=False)
+        log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
+        best = test_stats["acc1"] > max_accuracy
+        max_accuracy = max(max_accuracy, test_stats["acc1"])
+        log(f"Max accuracy: {max_accuracy:.2f}%")
+        rng = all_gather_object(ckpt.get_rng_states())
+        if args.output_dir and is_main_process():
+            obj = ckpt.build_checkpoint(model_without_ddp, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                        scaler=loss_scaler, model_ema=model_ema, epoch=epoch,
+                                        max_accuracy=max_accuracy, args=args_dict, rng=rng)
+            ckpt.atomic_save(obj, os.path.join(args.output_dir, "checkpoint.pth"))
+            if best:
+                ckpt.atomic_save(obj, os.path.join(args.output_dir, "best_checkpoint.pth"))
+        stats = {**{f"train_{k}": v for k, v in train_stats.items()},
+                 **{f"test_{k}": v for k, v in test_stats.items()},
+                 "epoch": epoch, "n_parameters": n_params, "max_accuracy": max_accuracy}
+        jlog.write(stats)
+        tb.scalars({"loss": train_stats["loss"], "lr": train_stats["lr"], "img_per_s": train_stats["img/s"],
+                    "step_ms": train_stats["step_ms"], "max_mem_mb": train_stats["max_mem_mb"],
+                    "saved_act_mib": train_stats["saved_act_mib"]}, epoch, prefix="train/")
+        tb.scalars({"acc1": test_stats["acc1"], "acc5": test_stats["acc5"], "loss": test_stats["loss"]},
+                   epoch, prefix="test/")
+    tb.close()
+    if args.save_rank_state and args.output_dir:
+        barrier()
+        torch.save({"model": model_without_ddp.state_dict(), "rank": get_rank()},
+                   os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
+    log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
+    return stats
