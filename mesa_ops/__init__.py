@@ -13,8 +13,11 @@ from .memory import SavedActivationMeter, saved_activation_bytes
 from .audit import audit
 from .compress import compress
 from .quant import QTensor, QuantMixin, Quantizer
+from .ops import get_rng_state, set_rng_state
+from .quant import set_dist_sync
 
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
            "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit"]
+__all__ += ["get_rng_state", "set_rng_state", "set_dist_sync"]
 __version__ = "0.1.0"

@@ -46,3 +46,9 @@ def no_autocast(x: torch.Tensor):
     if not torch.is_autocast_enabled(dev):
         return contextlib.nullcontext()
     return torch.autocast(dev, enabled=False)
+
+
+def fp16_autocast(x: torch.Tensor) -> bool:
+    """True under float16 autocast on ``x``'s device (where GradScaler skips non-finite steps)."""
+    dev = x.device.type
+    return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.float16

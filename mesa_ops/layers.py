@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from . import functional as MF
 from .attention import SDPA
-from .quant import QuantMixin, Quantizer
+from .quant import QuantMixin, Quantizer, update_quantization_parameter
 
 
 def _needs_grad(*tensors) -> bool:
@@ -33,7 +33,10 @@ class _Layer(QuantMixin):
 
 
 class Linear(_Layer, nn.Linear):
-    """``nn.Linear`` storing its input (..., in_features) at ``bits`` bits, G groups along it."""
+    """``nn.Linear`` storing its input (..., in_features) at ``bits`` bits, G groups along it.
+    With a frozen weight (no weight gradient) nothing is stored: it is the plain layer."""
+
+    group_dim = "last"
 
     def __init__(self, in_features, out_features, bias=True, mesa=False, args=None, logger=None,
                  quant_groups=1, bits=8, enable=False, group_size=None, device=None, dtype=None):
@@ -41,13 +44,15 @@ class Linear(_Layer, nn.Linear):
         self._setup("fc", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
-        if self._active(x, self.weight, self.bias):
+        if self.weight.requires_grad and self._active(x, self.weight, self.bias):
             return MF.linear_fn(x, self.weight, self.bias, self)
         return F.linear(x, self.weight, self.bias)
 
 
 class Conv2d(_Layer, nn.Conv2d):
-    """``nn.Conv2d`` storing its input (B, C_in, H, W) at ``bits`` bits, groups along C_in."""
+    """``nn.Conv2d`` storing its input (B, C_in, H, W) at ``bits`` bits, groups along C_in.
+    With a frozen weight (no weight gradient) the input is not stored at all (exact autograd
+    would keep it) and its running range is not updated."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, padding_mode="zeros", mesa=False, args=None, logger=None,
@@ -73,6 +78,8 @@ class Conv2d(_Layer, nn.Conv2d):
 class LayerNorm(_Layer, nn.LayerNorm):
     """``nn.LayerNorm`` storing its input (..., C) at ``bits`` bits plus fp32 mean/rstd."""
 
+    group_dim = "last"
+
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, mesa=False,
                  args=None, logger=None, quant_groups=1, bits=8, enable=False, group_size=None,
                  device=None, dtype=None):
@@ -87,7 +94,9 @@ class LayerNorm(_Layer, nn.LayerNorm):
 
 
 class GELU(_Layer, nn.GELU):
-    """``nn.GELU`` storing its input at ``bits`` bits."""
+    """``nn.GELU`` storing its input (..., C) at ``bits`` bits, groups along the last dim."""
+
+    group_dim = "last"
 
     def __init__(self, approximate="none", mesa=False, args=None, logger=None, quant_groups=1,
                  bits=8, enable=False, group_size=None):
@@ -103,6 +112,8 @@ class GELU(_Layer, nn.GELU):
 class ReLU(_Layer, nn.ReLU):
     """``nn.ReLU`` whose backward keeps a 1-bit mask (exact gradient, 1/32 of fp32 bytes).
     ``inplace`` is honoured when compression is off; with it on the output is a new tensor."""
+
+    group_dim = "last"
 
     def __init__(self, inplace=False, mesa=False, args=None, logger=None, quant_groups=1, bits=8,
                  enable=False, group_size=None):
@@ -144,10 +155,10 @@ class _TwoQuant:
     """Attributes of MatMul/Softmax read from the quantizer in use (``_primary``) and set on both."""
     _primary = "quant1"
     _proxied = ("enable", "bits", "level", "ema_decay", "quant_groups", "stochastic",
-                "range_mode", "check_finite", "index", "group_size", "layer_name")
+                "range_mode", "check_finite", "nonfinite", "dist_sync", "index", "group_size",
+                "layer_name")
 
     def update_quantization_parameter(self, **parameters):
-        from .policy import update_quantization_parameter
         return update_quantization_parameter(self, **parameters)
 
     def describe(self) -> str:

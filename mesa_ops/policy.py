@@ -14,7 +14,9 @@ Numbers after ``on <tag>:`` are trigger epochs for :func:`deploy_on_epoch`. A ma
 raises :class:`PolicyError` naming the file, the line and what was expected.
 
 Keys: ``enable``, ``level`` (256/16/4), ``bits`` (8/4/2), ``ema_decay``, ``quant_groups``,
-``group_size``, ``stochastic``, ``range_mode`` ('ema'/'batch'), ``check_finite``; ``by_tag``
+``group_size``, ``stochastic``, ``range_mode`` ('ema'/'batch'), ``nonfinite``
+('auto'/'raise'/'skip'; ``check_finite`` True/False is the older spelling of raise/skip),
+``dist_sync``; ``by_tag``
 right after ``by_index`` narrows a block to some tags, or to one quantizer of MatMul/Softmax
 (``matmul-1``/``matmul-2``, ``softmax-1``/``softmax-2``). Keys of the original code that do
 nothing here (``stable``, ``fp_forward``, ``non_negative_only``, ...) are accepted and ignored.
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from . import layers as L
-from .quant import SUPPORTED_BITS, QuantMixin, parse_groups
+from .quant import (IGNORED_KEYS, KEYS, PolicyError, QuantMixin, parse_groups,
+                    update_quantization_parameter)
 
 _log = logging.getLogger("mesa_ops")
 
@@ -37,80 +40,11 @@ TAGS = ("conv", "fc", "eltwise", "shuffle", "concat", "norm", "gelu", "layernorm
 SUB_TAGS = ("matmul-1", "matmul-2", "softmax-1", "softmax-2")  # quant1/quant2 of MatMul/Softmax
 
 
-class PolicyError(ValueError):
-    """A policy file or policy setting that cannot be applied."""
-
-
-def _bool(v):
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip()
-    if s in ("True", "true", "1"):
-        return True
-    if s in ("False", "false", "0"):
-        return False
-    raise ValueError(f"expected True or False, got {v!r}")
-
-
-def _int(v) -> int:
-    if isinstance(v, bool):
-        raise ValueError(f"expected an integer, got {v!r}")
-    if isinstance(v, float):
-        if v != int(v):
-            raise ValueError(f"expected an integer, got {v!r}")
-        return int(v)
-    try:
-        return int(str(v).strip())
-    except ValueError:
-        raise ValueError(f"expected an integer, got {v!r}") from None
-
-
-def _level(v):
-    n = _int(v)
-    if n not in [1 << b for b in SUPPORTED_BITS]:
-        raise ValueError(f"expected 256, 16 or 4 (8, 4 or 2 bits), got {v!r}")
-    return n
-
-
-def _bits(v):
-    n = _int(v)
-    if n not in SUPPORTED_BITS:
-        raise ValueError(f"expected one of {SUPPORTED_BITS}, got {v!r}")
-    return n
-
-
-def _decay(v):
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a decay in [0, 1), got {v!r}") from None
-    if not 0.0 <= x < 1.0:
-        raise ValueError(f"expected a decay in [0, 1), got {v!r}")
-    return x
-
-
-def _range_mode(v):
-    s = str(v).strip().strip("'\"")
-    if s not in ("ema", "batch"):
-        raise ValueError(f"expected 'ema' or 'batch', got {v!r}")
-    return s
-
-
-def _pos_int(v):
-    n = _int(v)
-    if n < 1:
-        raise ValueError(f"expected a positive integer, got {v!r}")
-    return parse_groups(n)
-
-
-KEYS = {"enable": _bool, "level": _level, "bits": _bits, "ema_decay": _decay,
-        "quant_groups": _pos_int, "group_size": _pos_int, "stochastic": _bool,
-        "range_mode": _range_mode, "check_finite": _bool}
-# keys of the original code (and of its demo projects' policies) with no effect here: the forward
-# is always the exact op (``fp_forward``), ranges are always running min/max estimates
-IGNORED_KEYS = ("stable", "correlate", "non_negative_only", "half_range", "global_buffer",
-                "progressive", "method", "quant_loss_function", "fp_forward", "level_num")
-_META_KEYS = ("by_index", "by_tag", "index", "_ignored")
+# the settings' validators and their application to a layer live with the quantizer; the
+# names stay importable from here (the original API: ms.policy.update_quantization_parameter)
+__all__ = ["PolicyError", "KEYS", "IGNORED_KEYS", "update_quantization_parameter", "parse_policy",
+           "read_policy", "deploy_on_init", "deploy_on_epoch", "deploy_on_iteration", "set_mesa",
+           "convert_by_num_groups", "convert_by_group_size", "mesa_layers", "assign_indices"]
 
 
 @dataclass
@@ -244,91 +178,6 @@ def read_policy(filename: str, section: str = "init", debug: bool = False, verbo
     if debug:
         verbose(out)
     return PolicyList(out, tag=section, filename=os.fspath(filename))
-
-
-def _index_list(by_index):
-    """``by_index`` as 'all' or a list of ints (from a file, the original's strings, or code)."""
-    if isinstance(by_index, str):
-        if by_index.strip() == "all":
-            return "all"
-        by_index = by_index.replace(",", " ").split()
-    elif isinstance(by_index, int):
-        by_index = [by_index]
-    try:
-        return [_int(i) for i in by_index]
-    except (TypeError, ValueError):
-        raise PolicyError(f"by_index: expected 'all' or layer indices, got {by_index!r}") from None
-
-
-def _tag_list(by_tag):
-    if by_tag is None:
-        return None
-    if isinstance(by_tag, str):
-        return by_tag.replace(",", " ").split()
-    return [str(t) for t in by_tag]
-
-
-def _verbose(layer):
-    v = layer.__dict__.get("verbose")
-    if v is None and hasattr(layer, "quant1"):
-        v = layer.quant1.__dict__.get("verbose")
-    return v if callable(v) else _log.info
-
-
-def _apply(target, layer, parameters) -> None:
-    """Set the policy keys of ``parameters`` on ``target`` (the layer or one of its quantizers)."""
-    for key, value in parameters.items():
-        if key in _META_KEYS or key in IGNORED_KEYS:
-            continue
-        if key not in KEYS:
-            raise PolicyError(f"{layer.describe()}: unknown policy key {key!r}; expected one of "
-                              f"{', '.join(KEYS)}")
-        try:
-            value = KEYS[key](value)
-        except ValueError as exc:
-            raise PolicyError(f"{layer.describe()}: bad value for {key!r}: {exc}") from exc
-        if key == "quant_groups":
-            if value != target.quant_groups:
-                _set_groups(target, value)
-        else:
-            setattr(target, key, value)
-        name = getattr(target, "tag", layer.tag)
-        _verbose(layer)(f"update {name}_{key} to {value} for index {layer.index}")
-
-
-def update_quantization_parameter(layer, **parameters) -> dict:
-    """Apply one policy block to a Mesa layer (the original's method, validated).
-
-    ``index`` (an int, or a dict by tag) sets the layer's index; a block (``by_index`` with
-    settings, optionally ``by_tag``) is applied when the layer's index and tag match. For
-    MatMul/Softmax a ``by_tag`` of ``matmul-1`` etc. sets that one quantizer only."""
-    if "index" in parameters:
-        idx = parameters["index"]
-        if isinstance(idx, dict):
-            idx = idx.get(layer.tag, layer.index)
-        layer.index = _int(idx)
-    if "by_index" not in parameters:
-        return {}
-    by_index = _index_list(parameters["by_index"])
-    if by_index != "all" and layer.index not in by_index:
-        return {}
-    by_tag = _tag_list(parameters.get("by_tag"))
-    if by_tag is None or layer.tag in by_tag:
-        _apply(layer, layer, parameters)
-    elif hasattr(layer, "quant1"):
-        for q in (layer.quant1, layer.quant2):
-            if q.tag in by_tag:
-                _apply(q, layer, parameters)
-    return {}
-
-
-def _set_groups(target, g):
-    targets = (target.quant1, target.quant2) if hasattr(target, "quant1") else (target,)
-    for q in targets:
-        try:
-            q._resize_groups(g)
-        except ValueError as exc:
-            raise PolicyError(str(exc)) from exc
 
 
 def mesa_layers(model: nn.Module):

@@ -9,28 +9,49 @@ stochastic (unbiased) rounding; values outside the running range are clamped to 
 State kept in the state dict, with the original Mesa names: ``clip_val`` (G,) the range,
 ``shift`` (G,) the offset (running min), ``iteration`` (1,) the number of updates.
 
-Group layout of a tensor (``quant_groups`` = G):
-  * (B, C), (B, N, C): G contiguous groups along the last dim;
-  * (B, H, N, D) attention tensors and (B, C, H, W) maps: groups along dim 1 (G = H is head-wise).
+Group layout of a tensor (``quant_groups`` = G), by the layer kind (``group_dim``):
+  * ``'last'`` (Linear, LayerNorm, GELU, ReLU): G contiguous groups along the last dim, whatever
+    the rank: (B, C), (B, N, C) and channels-last tokens (B, H, W, C) group over C;
+  * ``'channel'`` (Conv2d, BatchNorm2d, and the ``quant1``/``quant2`` of MatMul/Softmax): dim 1
+    of 4-D and larger tensors -- (B, C, H, W) maps, (B, H, N, D) attention tensors (G = H is
+    head-wise) -- else the last dim.
+
+Non-finite activations (``nonfinite``): ``'raise'`` a FloatingPointError naming the layer;
+``'skip'`` leave the running range as it is, mark the stored copy non-finite (so the gradient is
+non-finite and a GradScaler skips the step, as in exact training) and warn once; ``'auto'`` (the
+default) skips under fp16 autocast and raises otherwise. ``dist_sync`` (default True) all-reduces
+the per-group min/max over the ranks of an initialized torch.distributed group before the EMA, so
+every rank holds the same ``clip_val``/``shift``.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
+import zlib
 from typing import NamedTuple
 
 import torch
+from torch.autograd import function as _autograd_function
 
+from . import ops
 from .backend import get_backend
 
 _log = logging.getLogger("mesa_ops")
 SUPPORTED_BITS = (8, 4, 2)
+NONFINITE_MODES = ("auto", "raise", "skip")
+GROUP_DIMS = ("last", "channel")
 
 
 def channel_dim(ndim: int) -> int:
-    """The dim that groups split: 1 for 4-D and larger tensors, else the last."""
+    """The dim that ``'channel'`` groups split: 1 for 4-D and larger tensors, else the last."""
     return 1 if ndim >= 4 else ndim - 1
+
+
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces."""
+    return torch.compiler.is_compiling()
 
 
 def parse_groups(quant_groups) -> int:
@@ -66,9 +87,13 @@ class QTensor(NamedTuple):
     def restore(tensors, meta) -> torch.Tensor:
         packed, step, shift = tensors
         shape, dtype, bits, groups, inner, transposed = meta
-        be = get_backend(packed)
         numel = math.prod(shape)
-        if getattr(be, "has_dequantize_out", False) and in_backward():
+        if compiling():
+            return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, numel, dtype),
+                           shape, transposed)
+        be = get_backend(packed)
+        # reuse workspace buffers only in a backward that records no graph (create_graph=False)
+        if getattr(be, "has_dequantize_out", False) and in_backward() and not torch.is_grad_enabled():
             flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
                                      _workspace().acquire(numel, dtype))
             out = flat.view(shape) if not transposed else None
@@ -76,22 +101,27 @@ class QTensor(NamedTuple):
                 out._mesa_ws = True
                 return out
         else:
-            flat = be.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
-        if transposed:
-            s = list(shape)
-            s[-2], s[-1] = s[-1], s[-2]
-            return flat.view(s).transpose(-2, -1)
-        return flat.view(shape)
+            flat = ops.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
+        return _shaped(flat, shape, transposed)
 
     def dequantize(self) -> torch.Tensor:
         return QTensor.restore(self.tensors(), self.meta())
 
 
-def _memory_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A contiguous tensor holding ``x``'s values without a copy where one exists."""
+def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
+    if transposed:
+        s = list(shape)
+        s[-2], s[-1] = s[-1], s[-2]
+        return flat.view(s).transpose(-2, -1)
+    return flat.view(shape)
+
+
+def _memory_view(x: torch.Tensor, allow_transposed: bool = True) -> tuple[torch.Tensor, bool]:
+    """A contiguous tensor holding ``x``'s values without a copy where one exists (a transposed
+    view only for dim-1 groups, which a swap of the last two dims leaves in place)."""
     if x.is_contiguous():
         return x, False
-    if x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # e.g. k.transpose(-2, -1)
+    if allow_transposed and x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # k^T
         return x.transpose(-2, -1), True
     return x.contiguous(), False
 
@@ -145,7 +175,7 @@ def _workspace() -> _Workspace:
 
 def release(*tensors) -> None:
     """Give dequantized tensors back to the backward workspace (call after their last use)."""
-    if in_backward():
+    if not compiling() and in_backward() and not torch.is_grad_enabled():
         ws = _workspace()
         for t in tensors:
             if isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False):
@@ -153,14 +183,39 @@ def release(*tensors) -> None:
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs a backward (e.g. checkpoint recomputation)."""
+    """True while the autograd engine runs a backward (e.g. checkpoint recomputation); False
+    while torch.compile traces."""
+    if compiling():
+        return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 
 
-def draw_seed() -> int:
-    """A 62-bit seed from torch's default generator (so torch.manual_seed fixes the noise)."""
-    return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64).item())
+def once_differentiable(fn):
+    """``torch.autograd.function.once_differentiable`` with a message naming Mesa: a Mesa
+    backward runs without recording a graph (its inputs are lossy packed copies), and a second
+    differentiation through it (gradient penalty, ``create_graph=True``) raises."""
+    plain = _autograd_function.once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        if compiling() or not torch.is_grad_enabled():
+            return plain(ctx, *args)
+        with torch.no_grad():
+            outputs = fn(ctx, *args)
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        err = torch._C._functions.DelayedError(
+            f"mesa_ops: double backward through the Mesa layer {getattr(ctx, 'mesa_name', '?')} "
+            "is not supported "
+            "(it saved a lossy packed copy of its input and its backward is not differentiable); "
+            "turn compression off for it (enable=False) to take gradients of gradients".encode(),
+            len(outs))
+        res = err(*[o.detach().requires_grad_() if o is not None else None for o in outs])
+        res = res if isinstance(res, tuple) else (res,)
+        return res if isinstance(outputs, tuple) else res[0]
+    return wrapper
 
 
 class QuantMixin:
@@ -169,9 +224,13 @@ class QuantMixin:
     Attributes set by policy files and read by users (the original's names): ``enable``,
     ``level`` (2**bits), ``bits``, ``ema_decay``, ``quant_groups``, ``tag``, ``index``; plus
     ``stochastic`` (False: round to nearest), ``range_mode`` ('ema' or 'batch': exact per-batch
-    min/max, for ablations), ``check_finite`` (raise on NaN/Inf), ``group_size`` (derive G from
-    the channel dim at run time).
+    min/max, for ablations), ``nonfinite`` ('auto' / 'raise' / 'skip', see the module doc;
+    ``check_finite`` = True / False is the older spelling of 'raise' / 'skip'), ``group_size``
+    (derive G from the group dim at run time), ``dist_sync`` (all-reduce the range statistics
+    across ranks). ``group_dim`` ('last' or 'channel') is fixed by the layer kind.
     """
+
+    group_dim = "channel"
 
     def _init_quant(self, quant_groups=1, tag: str = "fm", enable: bool = False, bits: int = 8,
                     group_size: int | None = None):
@@ -179,6 +238,9 @@ class QuantMixin:
         self.register_buffer("clip_val", torch.ones(g))
         self.register_buffer("shift", torch.zeros(g))
         self.register_buffer("iteration", torch.zeros(1))
+        # stochastic-rounding draws so far (a CPU tensor outside the state dict, resumed from
+        # ``iteration`` on load): part of each seed, see ops.make_seed
+        self._draws = torch.zeros(1, dtype=torch.int64)
         self.enable = bool(enable)
         self.bits = bits
         self.ema_decay = 0.9
@@ -188,7 +250,8 @@ class QuantMixin:
         self.index = -1
         self.stochastic = True
         self.range_mode = "ema"
-        self.check_finite = True
+        self.nonfinite = "auto"
+        self.dist_sync = True
         self.layer_name = None
         self.verbose = _log.info
 
@@ -203,6 +266,26 @@ class QuantMixin:
         if b not in SUPPORTED_BITS or b != value:
             raise ValueError(f"{self.describe()}: bits must be one of {SUPPORTED_BITS}, got {value!r}")
         self._bits = b
+
+    @property
+    def nonfinite(self) -> str:
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, value) -> None:
+        if value not in NONFINITE_MODES:
+            raise ValueError(f"{self.describe()}: nonfinite must be one of {NONFINITE_MODES}, "
+                             f"got {value!r}")
+        self._nonfinite = value
+
+    @property
+    def check_finite(self) -> bool:
+        """The older switch: True raises on NaN/Inf (nonfinite='raise'), False skips ('skip')."""
+        return self._nonfinite != "skip"
+
+    @check_finite.setter
+    def check_finite(self, value) -> None:
+        self.nonfinite = "raise" if value else "skip"
 
     @property
     def level(self) -> int:
@@ -231,7 +314,6 @@ class QuantMixin:
 
     def update_quantization_parameter(self, **parameters):
         """Apply one policy block (``by_index``, ``enable``, ``level``, ...) to this layer."""
-        from .policy import update_quantization_parameter
         return update_quantization_parameter(self, **parameters)
 
     # ---- groups ---------------------------------------------------------------------------
@@ -240,7 +322,7 @@ class QuantMixin:
         nd = len(shape)
         if nd == 0:
             raise ValueError(f"{self.describe()}: cannot quantize a 0-d tensor")
-        d = channel_dim(nd)
+        d = nd - 1 if self.group_dim == "last" else channel_dim(nd)
         c = shape[d]
         g = self.quant_groups
         if self.group_size:
@@ -251,8 +333,8 @@ class QuantMixin:
             if g != self.quant_groups:
                 self._resize_groups(g)
         if c % g:
-            raise ValueError(f"{self.describe()}: quant_groups={g} does not divide the channel dim "
-                             f"{c} (dim {d}) of input shape {tuple(shape)}")
+            raise ValueError(f"{self.describe()}: quant_groups={g} does not divide the group dim "
+                             f"{c} (dim {d}, the {self.group_dim} dim) of input shape {tuple(shape)}")
         inner = (c // g) * math.prod(shape[d + 1:])
         return g, inner
 
@@ -272,6 +354,8 @@ class QuantMixin:
             self._resize_groups(state_dict[key].numel())
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if prefix + "iteration" in state_dict:
+            self._draws[0] = int(float(self.iteration.reshape(-1)[0]))
 
     # ---- the quantization path ------------------------------------------------------------
     def _state_fp32(self) -> None:
@@ -281,29 +365,38 @@ class QuantMixin:
             if t.dtype != torch.float32:
                 setattr(self, n, t.float())
 
+    def _nonfinite_mode(self, amp16: bool) -> str:
+        if self._nonfinite == "auto":
+            return "skip" if amp16 else "raise"
+        return self._nonfinite
+
     @torch.no_grad()
-    def quantize(self, x: torch.Tensor) -> QTensor:
-        """Update the running range from ``x`` and return its packed copy (training only)."""
+    def quantize(self, x: torch.Tensor, amp16: bool = False) -> QTensor:
+        """Update the running range from ``x`` and return its packed copy (training only).
+        ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips)."""
         shape, dtype = x.shape, x.dtype
-        xs, transposed = _memory_view(x.detach())
+        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel")
         g, inner = self.groups_for(xs.shape)
         if self.range_mode not in ("ema", "batch"):
-            raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', got {self.range_mode!r}")
+            raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
+                             f"got {self.range_mode!r}")
         self._state_fp32()
-        be = get_backend(xs)
+        mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         # in an activation-checkpoint recomputation the running estimates were already updated
         # by this step's forward: quantize with them, do not update them twice
-        params = be.range_update(xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
-                                 self.range_mode == "batch", self.bits, not in_backward())
-        if self.check_finite and not bool(params[3].all()):  # a host sync on CUDA
-            raise FloatingPointError(
-                f"{self.describe()}: the activation of shape {tuple(shape)} holds NaN or Inf; "
-                "it would poison the running range (set check_finite=False to skip this "
-                "check; the range is then not updated on such steps)")
+        update = not in_backward()
+        name = self.describe()
+        params = ops.range_update(xs, self.clip_val, self.shift, self.iteration, g, inner, d,
+                                  self.range_mode == "batch", self.bits, update, mode, name,
+                                  bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
-        packed = be.quantize(xs, inv, sh, self.bits, g, inner, draw_seed(), bool(self.stochastic))
+        packed = ops.quantize(xs, inv, sh, self._draws, zlib.crc32(name.encode()), self.bits, g,
+                              inner, bool(self.stochastic), update)
         return QTensor(packed, step, sh, shape, dtype, self.bits, g, inner, transposed)
+
+
+_NO_DRAWS = torch.zeros(1, dtype=torch.int64)  # round-to-nearest packing draws nothing
 
 
 def pack_mask(mask_source: torch.Tensor) -> QTensor:
@@ -311,7 +404,7 @@ def pack_mask(mask_source: torch.Tensor) -> QTensor:
     x, transposed = _memory_view(mask_source.detach())
     one = torch.ones(1, device=x.device)
     zero = torch.zeros(1, device=x.device)
-    packed = get_backend(x).quantize(x, one, zero, 1, 1, x.numel() or 1, 0, False)
+    packed = ops.quantize(x, one, zero, _NO_DRAWS, 0, 1, 1, x.numel() or 1, False, False)
     return QTensor(packed, one, zero, mask_source.shape, mask_source.dtype, 1, 1, x.numel() or 1,
                    transposed)
 
@@ -324,19 +417,35 @@ class Quantizer(QuantMixin, torch.nn.Module):
         self._init_quant(quant_groups, tag=tag, enable=enable, bits=bits)
 
 
-def attach_saved(t: torch.Tensor, qt: QTensor) -> None:
-    """Record on ``t`` that ``qt`` is a packed copy of it, so a later Mesa layer that needs the
-    same tensor for backward (attn@v after softmax) saves these bytes instead of a second copy."""
-    t._mesa_saved = (qt, t._version)
+def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True) -> None:
+    """Record on ``t`` that ``qt`` is a packed copy of it (rounded stochastically or not), so a
+    later Mesa layer that needs the same tensor for backward (attn@v after softmax) saves these
+    bytes instead of a second copy."""
+    t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic))
 
 
-def find_saved(t: torch.Tensor, bits: int) -> QTensor | None:
-    """The packed copy attached to ``t`` if it is still valid (not modified in place, same bits)."""
+def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None) -> QTensor | None:
+    """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
+    ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
+    ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared)."""
     rec = getattr(t, "_mesa_saved", None)
     if rec is None:
         return None
-    qt, version = rec
-    if version != t._version or qt.bits != bits or qt.shape != t.shape:
+    qt, version, stochastic = rec
+    if (version is not None and version != t._version) or qt.shape != t.shape:
+        return None
+    if dtype is not None and qt.dtype != dtype:
+        return None
+    if isinstance(quant, int):
+        return qt if qt.bits == quant else None
+    if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
+        return None
+    if qt.transposed and quant.group_dim != "channel":
+        return None
+    shape = list(t.shape)
+    if qt.transposed:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    if (qt.groups, qt.inner) != quant.groups_for(shape):
         return None
     return qt
 
@@ -369,3 +478,184 @@ def saved_tensors(ctx) -> list:
         else:
             out.append(None)
     return out
+
+
+# ---- policy settings: validation and application (policy.py parses files and dispatches) ------
+class PolicyError(ValueError):
+    """A policy file or policy setting that cannot be applied."""
+
+
+def _bool(v):
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip()
+    if s in ("True", "true", "1"):
+        return True
+    if s in ("False", "false", "0"):
+        return False
+    raise ValueError(f"expected True or False, got {v!r}")
+
+
+def _int(v) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"expected an integer, got {v!r}")
+    if isinstance(v, float):
+        if v != int(v):
+            raise ValueError(f"expected an integer, got {v!r}")
+        return int(v)
+    try:
+        return int(str(v).strip())
+    except ValueError:
+        raise ValueError(f"expected an integer, got {v!r}") from None
+
+
+def _level(v):
+    n = _int(v)
+    if n not in [1 << b for b in SUPPORTED_BITS]:
+        raise ValueError(f"expected 256, 16 or 4 (8, 4 or 2 bits), got {v!r}")
+    return n
+
+
+def _bits(v):
+    n = _int(v)
+    if n not in SUPPORTED_BITS:
+        raise ValueError(f"expected one of {SUPPORTED_BITS}, got {v!r}")
+    return n
+
+
+def _decay(v):
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"expected a decay in [0, 1), got {v!r}") from None
+    if not 0.0 <= x < 1.0:
+        raise ValueError(f"expected a decay in [0, 1), got {v!r}")
+    return x
+
+
+def _range_mode(v):
+    s = str(v).strip().strip("'\"")
+    if s not in ("ema", "batch"):
+        raise ValueError(f"expected 'ema' or 'batch', got {v!r}")
+    return s
+
+
+def _pos_int(v):
+    n = _int(v)
+    if n < 1:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return parse_groups(n)
+
+
+def _nonfinite(v):
+    s = str(v).strip().strip("'\"")
+    if s not in NONFINITE_MODES:
+        raise ValueError(f"expected one of {', '.join(NONFINITE_MODES)}, got {v!r}")
+    return s
+
+
+KEYS = {"enable": _bool, "level": _level, "bits": _bits, "ema_decay": _decay,
+        "quant_groups": _pos_int, "group_size": _pos_int, "stochastic": _bool,
+        "range_mode": _range_mode, "check_finite": _bool, "nonfinite": _nonfinite,
+        "dist_sync": _bool}
+# keys of the original code (and of its demo projects' policies) with no effect here: the forward
+# is always the exact op (``fp_forward``), ranges are always running min/max estimates
+IGNORED_KEYS = ("stable", "correlate", "non_negative_only", "half_range", "global_buffer",
+                "progressive", "method", "quant_loss_function", "fp_forward", "level_num")
+_META_KEYS = ("by_index", "by_tag", "index", "_ignored")
+
+
+def _index_list(by_index):
+    """``by_index`` as 'all' or a list of ints (from a file, the original's strings, or code)."""
+    if isinstance(by_index, str):
+        if by_index.strip() == "all":
+            return "all"
+        by_index = by_index.replace(",", " ").split()
+    elif isinstance(by_index, int):
+        by_index = [by_index]
+    try:
+        return [_int(i) for i in by_index]
+    except (TypeError, ValueError):
+        raise PolicyError(f"by_index: expected 'all' or layer indices, got {by_index!r}") from None
+
+
+def _tag_list(by_tag):
+    if by_tag is None:
+        return None
+    if isinstance(by_tag, str):
+        return by_tag.replace(",", " ").split()
+    return [str(t) for t in by_tag]
+
+
+def _verbose(layer):
+    v = layer.__dict__.get("verbose")
+    if v is None and hasattr(layer, "quant1"):
+        v = layer.quant1.__dict__.get("verbose")
+    return v if callable(v) else _log.info
+
+
+def _apply(target, layer, parameters) -> None:
+    """Set the policy keys of ``parameters`` on ``target`` (the layer or one of its quantizers)."""
+    for key, value in parameters.items():
+        if key in _META_KEYS or key in IGNORED_KEYS:
+            continue
+        if key not in KEYS:
+            raise PolicyError(f"{layer.describe()}: unknown policy key {key!r}; expected one of "
+                              f"{', '.join(KEYS)}")
+        try:
+            value = KEYS[key](value)
+        except ValueError as exc:
+            raise PolicyError(f"{layer.describe()}: bad value for {key!r}: {exc}") from exc
+        if key == "quant_groups":
+            if value != target.quant_groups:
+                _set_groups(target, value)
+        else:
+            setattr(target, key, value)
+        name = getattr(target, "tag", layer.tag)
+        _verbose(layer)(f"update {name}_{key} to {value} for index {layer.index}")
+
+
+def update_quantization_parameter(layer, **parameters) -> dict:
+    """Apply one policy block to a Mesa layer (the original's method, validated).
+
+    ``index`` (an int, or a dict by tag) sets the layer's index; a block (``by_index`` with
+    settings, optionally ``by_tag``) is applied when the layer's index and tag match. For
+    MatMul/Softmax a ``by_tag`` of ``matmul-1`` etc. sets that one quantizer only."""
+    if "index" in parameters:
+        idx = parameters["index"]
+        if isinstance(idx, dict):
+            idx = idx.get(layer.tag, layer.index)
+        layer.index = _int(idx)
+    if "by_index" not in parameters:
+        return {}
+    by_index = _index_list(parameters["by_index"])
+    if by_index != "all" and layer.index not in by_index:
+        return {}
+    by_tag = _tag_list(parameters.get("by_tag"))
+    if by_tag is None or layer.tag in by_tag:
+        _apply(layer, layer, parameters)
+    elif hasattr(layer, "quant1"):
+        for q in (layer.quant1, layer.quant2):
+            if q.tag in by_tag:
+                _apply(q, layer, parameters)
+    return {}
+
+
+def _set_groups(target, g):
+    targets = (target.quant1, target.quant2) if hasattr(target, "quant1") else (target,)
+    for q in targets:
+        try:
+            q._resize_groups(g)
+        except ValueError as exc:
+            raise PolicyError(str(exc)) from exc
+
+
+def set_dist_sync(model: torch.nn.Module, enabled: bool) -> int:
+    """Switch the cross-rank all-reduce of the range statistics on or off for every quantizer of
+    ``model``; returns the number of quantizers set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantMixin):
+            m.dist_sync = bool(enabled)
+            n += 1
+    return n

@@ -171,13 +171,22 @@ def test_same_seed_same_codes_different_seed_different_codes(cpp_backend, ref_ba
                            be.quantize(x, inv, shift, bits, g, inner, 2, False))
 
 
-def test_seed_comes_from_torch_generator():
-    """The layers draw the seed from torch's generator: torch.manual_seed fixes the noise."""
+def test_seed_follows_torch_generator_without_drawing_from_it():
+    """A seed hashes torch's generator state (torch.manual_seed fixes it), the layer's salt and
+    draw count; reading the state draws nothing, so torch's stream is untouched."""
+    from mesa_ops import ops
+
     torch.manual_seed(7)
-    s1 = ms.quant.draw_seed()
+    state = torch.get_rng_state()
+    s1 = ops.make_seed(5, 0)
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn
     torch.manual_seed(7)
-    assert ms.quant.draw_seed() == s1
-    assert ms.quant.draw_seed() != s1
+    assert ops.make_seed(5, 0) == s1
+    assert len({s1, ops.make_seed(5, 1), ops.make_seed(6, 0)}) == 3
+    torch.rand(1)  # torch's stream moved on: another seed
+    assert ops.make_seed(5, 0) != s1
+    torch.manual_seed(8)
+    assert ops.make_seed(5, 0) != s1
 
 
 def test_uniform_noise_is_uniform():

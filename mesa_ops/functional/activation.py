@@ -5,62 +5,69 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import compute_dtype, no_autocast
-from ..quant import attach_saved, pack_mask, release, save_for_backward, saved_tensors
+from ..amp import compute_dtype, fp16_autocast, no_autocast
+from ..quant import (QTensor, attach_saved, once_differentiable, pack_mask, release, save_for_backward,
+                     saved_tensors)
 
 
 class _GELU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, approximate, quant, cdt):
+    def forward(ctx, x, approximate, quant, cdt, amp16):
         xc = x.to(cdt)
         y = F.gelu(xc, approximate=approximate)
-        save_for_backward(ctx, quant.quantize(xc))
+        save_for_backward(ctx, quant.quantize(xc, amp16))
+        ctx.mesa_name = quant.describe()
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         (xh,) = saved_tensors(ctx)
         gx = torch.ops.aten.gelu_backward(gy.to(ctx.cdt), xh, approximate=ctx.approximate)
         release(xh)
-        return gx.to(ctx.x_dtype), None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     cdt = compute_dtype("gelu", x)
+    amp16 = fp16_autocast(x)  # read before autocast is switched off
     with no_autocast(x):
-        return _GELU.apply(x, approximate, quant, cdt)
+        return _GELU.apply(x, approximate, quant, cdt, amp16)
 
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, quant, cdt):
+    def forward(ctx, x, dim, quant, cdt, amp16):
         y = torch.softmax(x.to(cdt), dim)
-        qy = quant.quantize(y)
+        qy = quant.quantize(y, amp16)
         save_for_backward(ctx, qy)
         ctx.dim, ctx.x_dtype, ctx.cdt = dim, x.dtype, cdt
-        ctx.mesa_qy = qy
-        return y
+        ctx.mesa_name = quant.describe()
+        packed = qy.tensors() if isinstance(qy, QTensor) else ()
+        ctx.mark_non_differentiable(*packed)
+        return (y,) + packed  # the packed copy goes out too, for attn @ v to reuse
 
     @staticmethod
-    def backward(ctx, gy):
+    @once_differentiable
+    def backward(ctx, gy, *unused):
         (yh,) = saved_tensors(ctx)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
         release(yh)
-        return gx.to(ctx.x_dtype), None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None
 
 
 def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
     """Softmax along ``dim``; the packed output is attached to it so that a following Mesa MatMul
     (attn @ v) reuses those bytes instead of storing the same tensor again."""
     cdt = compute_dtype("softmax", x)
+    amp16 = fp16_autocast(x)
     with no_autocast(x):
-        y = _Softmax.apply(x, dim, quant, cdt)
-    node = y.grad_fn
-    qy = getattr(node, "mesa_qy", None)
-    if qy is not None:
-        attach_saved(y, qy)
-        node.mesa_qy = None
+        y, *packed = _Softmax.apply(x, dim, quant, cdt, amp16)
+    if packed:
+        g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
+        attach_saved(y, QTensor(*packed, y.shape, y.dtype, quant.bits, g, inner, False),
+                     quant.stochastic)
     return y
 
 
@@ -69,9 +76,11 @@ class _ReLU(torch.autograd.Function):
     def forward(ctx, x):
         y = torch.relu(x)
         save_for_backward(ctx, pack_mask(y))
+        ctx.mesa_name = "ReLU"
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         (mask,) = saved_tensors(ctx)
         gx = gy * mask.to(gy.dtype)

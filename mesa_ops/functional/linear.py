@@ -4,24 +4,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import compute_dtype, no_autocast
-from ..quant import find_saved, release, save_for_backward, saved_tensors
+from ..amp import compute_dtype, fp16_autocast, no_autocast
+from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quant, cdt):
+    def forward(ctx, x, weight, bias, quant, cdt, amp16):
         xc = x.to(cdt)
         y = F.linear(xc, weight.to(cdt), None if bias is None else bias.to(cdt))
-        qx = find_saved(x, quant.bits)  # e.g. the packed output of a Mesa SDPA (stored once)
-        if qx is None or qx.dtype != xc.dtype or qx.groups != quant.groups_for(xc.shape)[0]:
-            qx = quant.quantize(xc)
+        # e.g. the packed output of a Mesa SDPA (stored once) when it is what quant would store
+        qx = find_saved(x, quant, dtype=xc.dtype)
+        if qx is None:
+            qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx, weight)
+        ctx.mesa_name = quant.describe()
         ctx.cdt, ctx.x_dtype, ctx.has_bias = cdt, x.dtype, bias is not None
         ctx.b_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         xh, weight = saved_tensors(ctx)
         g = gy.to(ctx.cdt)
@@ -34,11 +37,12 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(ctx.b_dtype)
         release(xh)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:
     """y = x W^T + b for x (..., in) -> (..., out); stores x at ``quant.bits`` bits."""
     cdt = compute_dtype("linear", x)
+    amp16 = fp16_autocast(x)  # read before autocast is switched off
     with no_autocast(x):
-        return _Linear.apply(x, weight, bias, quant, cdt)
+        return _Linear.apply(x, weight, bias, quant, cdt, amp16)

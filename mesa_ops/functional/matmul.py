@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import torch
 
-from ..amp import compute_dtype, no_autocast
-from ..quant import find_saved, release, save_for_backward, saved_tensors
+from ..amp import compute_dtype, fp16_autocast, no_autocast
+from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _MatMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, quant1, quant2, cdt):
+    def forward(ctx, a, b, quant1, quant2, cdt, amp16):
         ac, bc = a.to(cdt), b.to(cdt)
         y = torch.matmul(ac, bc)
-        qa = (find_saved(a, quant1.bits) or quant1.quantize(ac)) if quant1.enable else ac
-        save_for_backward(ctx, qa, quant2.quantize(bc) if quant2.enable else bc)
+        qa = ac
+        if quant1.enable:  # a softmax output already packed the same way is stored once
+            qa = find_saved(a, quant1)  # (backward casts it to cdt)
+            if qa is None:
+                qa = quant1.quantize(ac, amp16)
+        save_for_backward(ctx, qa, quant2.quantize(bc, amp16) if quant2.enable else bc)
+        ctx.mesa_name = quant1.describe()
         ctx.shapes, ctx.dtypes, ctx.cdt = (a.shape, b.shape), (a.dtype, b.dtype), cdt
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         ah, bh = saved_tensors(ctx)
         g = gy.to(ctx.cdt)
@@ -29,13 +35,15 @@ class _MatMul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gb = ah.to(ctx.cdt).transpose(-2, -1).matmul(g).sum_to_size(ctx.shapes[1]).to(ctx.dtypes[1])
         release(ah, bh)
-        return ga, gb, None, None, None
+        return ga, gb, None, None, None, None
 
 
 def matmul_fn(a: torch.Tensor, b: torch.Tensor, quant1, quant2) -> torch.Tensor:
     """torch.matmul(a, b) for a (..., n, k), b (..., k, m) (batch dims broadcast)."""
     if a.dim() < 2 or b.dim() < 2:
-        raise ValueError(f"mesa MatMul needs inputs of at least 2 dims, got {tuple(a.shape)} @ {tuple(b.shape)}")
+        raise ValueError(f"mesa MatMul needs inputs of at least 2 dims, got {tuple(a.shape)} @ "
+                         f"{tuple(b.shape)}")
     cdt = compute_dtype("matmul", a)
+    amp16 = fp16_autocast(a)  # read before autocast is switched off
     with no_autocast(a):
-        return _MatMul.apply(a, b, quant1, quant2, cdt)
+        return _MatMul.apply(a, b, quant1, quant2, cdt, amp16)

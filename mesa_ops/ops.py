@@ -1,0 +1,162 @@
+"""Mesa's kernels as ``torch.library`` custom ops (namespace ``mesa``), with fake implementations.
+
+Every quantization goes through these ops, in eager mode and under ``torch.compile``: they are
+opaque to the compiler (their fake implementations give shapes and dtypes), so a Mesa layer
+compiles without graph breaks while the packed bytes stay those of the kernels in ``cuda/``
+(chosen per tensor by :func:`mesa_ops.backend.get_backend`).
+
+  * ``mesa::range_update(x, clip_val!, shift!, iteration!, ...) -> (4, G)``: the running-range
+    update of Mesa (Pan et al., arXiv 2111.11124, Sec. 3.3) in place, optionally with the
+    per-group min/max all-reduced across ranks first; returns rows inv, step, shift, finite.
+    Non-finite activations raise (``nonfinite='raise'``) or warn once (``'skip'``) here.
+  * ``mesa::quantize(x, inv, shift, draws!, salt, bits, groups, inner, stochastic, advance)``
+    -> uint8 codes: the stochastic-rounding seed (:func:`make_seed`) hashes torch's generator
+    state without drawing from it, so a run draws the same torch random numbers with Mesa on or
+    off, and the layer's salt and draw counter (resumed from its ``iteration``).
+  * ``mesa::dequantize(packed, step, shift, bits, groups, inner, numel, dtype) -> (numel,)``.
+"""
+from __future__ import annotations
+
+import warnings
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from . import reference
+from .backend import get_backend
+
+_MASK64 = (1 << 64) - 1
+_SEED_MASK = (1 << 62) - 1
+_BASE = torch.zeros(1, dtype=torch.int64)  # Mesa's stream: seeds differ for each base value
+_WARNED: set = set()  # layer names already warned about non-finite activations
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def torch_fingerprint() -> int:
+    """A 63-bit fingerprint of torch's default (CPU) generator state, read without drawing."""
+    b = torch.default_generator.get_state().numpy().tobytes()
+    return ((zlib.crc32(b) << 31) ^ zlib.adler32(b)) & ((1 << 63) - 1)
+
+
+def make_seed(salt: int, count: int) -> int:
+    """The seed of one stochastic rounding: a hash of torch's generator state (so
+    ``torch.manual_seed`` fixes it; torch's generator is read, never drawn from, so its stream --
+    dropout, drop-path -- is the same with Mesa on or off), Mesa's base, the layer's ``salt``
+    and its draw ``count``."""
+    z = _splitmix64(torch_fingerprint() ^ _splitmix64(int(_BASE[0]) ^ _splitmix64(salt)))
+    return _splitmix64(z ^ count) & _SEED_MASK
+
+
+def get_rng_state() -> torch.Tensor:
+    """Mesa's generator base (an int64 tensor of 1 value; torch.save / weights_only=True load
+    it). The seeds also depend on torch's generator state and on each quantizer's draw count,
+    which resumes from its ``iteration`` buffer (state dict): restoring the model, torch's RNG
+    state and this gives the same noise."""
+    return _BASE.clone()
+
+
+def set_rng_state(state) -> None:
+    """Restore a base from :func:`get_rng_state` (another value gives an independent stream)."""
+    t = torch.as_tensor(state)
+    if t.dtype != torch.int64 or t.shape != _BASE.shape:
+        raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape {tuple(_BASE.shape)} "
+                         f"from ms.get_rng_state(), got dtype {t.dtype} shape {tuple(t.shape)}")
+    _BASE.copy_(t.cpu())
+
+
+def dist_world() -> int:
+    """The number of ranks when torch.distributed is initialized, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _synced_minmax(be, x, groups, inner):
+    """Per-group (2, G) min/max of ``x`` reduced over all ranks (MIN of min, MAX of max); a
+    non-finite group on any rank stays non-finite everywhere, so every rank skips alike."""
+    mm = be.group_minmax(x, groups, inner)
+    v = torch.stack([-mm[0], mm[1]]).nan_to_num(nan=float("inf"))
+    dist.all_reduce(v, op=dist.ReduceOp.MAX)
+    return torch.stack([-v[0], v[1]])
+
+
+@torch.library.custom_op("mesa::range_update", mutates_args=("clip_val", "shift", "iteration"))
+def range_update(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Tensor,
+                 iteration: torch.Tensor, groups: int, inner: int, decay: float, batch_mode: bool,
+                 bits: int, update: bool, nonfinite: str, name: str, sync: bool) -> torch.Tensor:
+    """Running-range update in place; returns (4, G): inv, step, shift, finite (1/0)."""
+    be = get_backend(x)
+    if sync and update and dist_world() > 1:
+        mm = _synced_minmax(be, x, groups, inner)
+        params = reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
+                                        1.0 - decay, batch_mode, bits, update,
+                                        minmax=lambda *_: mm)
+    else:
+        params = be.range_update(x, groups, inner, clip_val, shift, iteration, decay, 1.0 - decay,
+                                 batch_mode, bits, update)
+    if nonfinite == "skip":  # a non-finite group's stored copy dequantizes to NaN (its codes
+        # are 0): the gradient is non-finite, as in exact training, and GradScaler skips the step
+        params[2] = torch.where(params[3] > 0, params[2], torch.full_like(params[2], float("nan")))
+    if nonfinite == "raise" or name not in _WARNED:
+        if not bool(params[3].all()):  # a host sync on CUDA (only until the first warning)
+            _nonfinite(nonfinite, name, tuple(x.shape))
+    return params
+
+
+def _nonfinite(mode: str, name: str, shape) -> None:
+    if mode == "raise":
+        raise FloatingPointError(
+            f"{name}: the activation of shape {shape} holds NaN or Inf; it would poison the "
+            "running range (set nonfinite='skip' to skip the range update on such steps and "
+            "let the gradient become non-finite, as exact training would)")
+    _WARNED.add(name)
+    warnings.warn(f"{name}: the activation holds NaN or Inf (e.g. fp16 overflow); its running "
+                  "range is not updated this step and its stored copy is marked non-finite, so "
+                  "the gradient is non-finite and GradScaler skips the step (warned once)",
+                  RuntimeWarning, stacklevel=2)
+
+
+@range_update.register_fake
+def _(x, clip_val, shift, iteration, groups, inner, decay, batch_mode, bits, update, nonfinite,
+      name, sync):
+    return x.new_empty((4, groups), dtype=torch.float32)
+
+
+@torch.library.custom_op("mesa::quantize", mutates_args=("draws",))
+def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draws: torch.Tensor,
+             salt: int, bits: int, groups: int, inner: int, stochastic: bool,
+             advance: bool) -> torch.Tensor:
+    """Contiguous ``x`` -> packed uint8 codes (ceil(numel * bits / 8),). ``draws`` is the
+    quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``)."""
+    seed = 0
+    if stochastic:
+        n = int(draws[0])
+        seed = make_seed(salt, n)
+        if advance:
+            draws[0] = n + 1
+    return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
+
+
+@quantize.register_fake
+def _(x, inv, shift, draws, salt, bits, groups, inner, stochastic, advance):
+    per = 8 // bits
+    return x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("mesa::dequantize", mutates_args=())
+def dequantize(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
+               groups: int, inner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes -> flat (numel,) tensor of ``dtype``: code * step + shift per group."""
+    return get_backend(packed).dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
+
+
+@dequantize.register_fake
+def _(packed, step, shift, bits, groups, inner, numel, dtype):
+    return packed.new_empty((numel,), dtype=dtype)
