@@ -1,0 +1,138 @@
+"""Compressed activation checkpointing: a block keeps only a packed copy of its input.
+
+Activation checkpointing keeps a block's input and recomputes the block in backward. Here the
+input is kept as an 8- (or 4-) bit copy packed through the Quantizer (the one quantization path
+of :mod:`mesa_ops.quant`), and the recomputation starts from its dequantized copy. The forward
+itself runs on the exact input (its output is bit-identical to the unwrapped block's); only the
+activations regenerated for backward come from the 8-bit input, so the gradients carry the same
+kind of error as Mesa's other layers.
+
+It is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint.checkpoint(...,
+use_reentrant=False)``): the autograd graph of the forward is kept and the tensors it saved are
+regenerated on first use in backward; gradients flow into the exact input and the block's
+parameters as without checkpointing. Mesa layers inside the block keep working (their running
+ranges are not updated a second time by the recomputation).
+
+Input quantizer: ``range_mode='batch'`` (each step's exact per-group min / max; nothing is kept
+between steps, so no state enters the state dict), stochastic rounding, groups of
+:data:`GROUP_SIZE` channels along the channel dim (the last dim of (B, N, C) tokens, dim 1 of
+(B, C, H, W) maps): the residual stream of a Transformer has a few large channels, which a
+single range would let dominate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as tckpt
+
+from .quant import Quantizer, QTensor, channel_dim
+
+__all__ = ["checkpoint_block", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
+GROUP_SIZE = 32
+
+
+def input_quantizer(x: torch.Tensor, bits: int) -> Quantizer:
+    """A stateless (batch-range) quantizer for a checkpoint input ``x`` at ``bits`` bits."""
+    c = x.shape[channel_dim(x.dim())]
+    g = c // GROUP_SIZE if c % GROUP_SIZE == 0 and c >= GROUP_SIZE else 1
+    q = Quantizer(g, tag="checkpoint", enable=True, bits=bits).to(x.device)
+    q.range_mode = "batch"
+    q.layer_name = "checkpoint input"
+    return q
+
+
+class _Run:
+    """The block call for torch's checkpoint: the exact input in forward, the dequantized packed
+    copy in the recomputation (the exact input is not referenced after the forward)."""
+
+    def __init__(self, block, x, qt: QTensor, kwargs):
+        self.block, self.x, self.meta, self.kwargs = block, x, qt.meta(), kwargs
+        self.requires_grad = x.requires_grad
+
+    def __call__(self, packed, step, shift, *rest):
+        x = self.x
+        if x is not None:
+            self.x = None
+        else:
+            x = QTensor.restore((packed, step, shift), self.meta)
+            x._mesa_ws = False  # the recomputed graph holds it: never handed back to the workspace
+            x.requires_grad_(self.requires_grad)
+        return self.block(x, *rest, **self.kwargs)
+
+
+def checkpoint_block(block, *args, bits: int | None = None, **kwargs):
+    """``block(*args, **kwargs)`` under non-reentrant activation checkpointing.
+
+    ``bits=None``: the ordinary checkpoint (the inputs kept as they are). ``bits=8`` / ``4`` /
+    ``2``: the first argument (a floating tensor, e.g. tokens (B, N, C)) is kept as a packed
+    copy at that many bits and the recomputation starts from its dequantized copy; the other
+    arguments (e.g. PVT's H, W; masks) are kept as they are. Outside training / without grad
+    the block simply runs.
+    """
+    return _checkpoint(block, args, bits, kwargs)[0]
+
+
+def _checkpoint(block, args, bits, kwargs):
+    """(output, the tensors kept for the recomputation)."""
+    if not (torch.is_grad_enabled() and getattr(block, "training", True)):
+        return block(*args, **kwargs), []
+    if bits is None:
+        kept = [a for a in args if isinstance(a, torch.Tensor)]
+        return tckpt.checkpoint(block, *args, use_reentrant=False, **kwargs), kept
+    if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
+        raise TypeError(f"checkpoint_block(bits={bits}): the first argument must be a floating "
+                        f"tensor (the block input), got {type(args[0]).__name__ if args else 'nothing'}")
+    x = args[0]
+    qt = input_quantizer(x, bits).quantize(x)
+    run = _Run(block, x, qt, kwargs)
+    del x
+    out = tckpt.checkpoint(run, *qt.tensors(), *args[1:], use_reentrant=False)
+    return out, list(qt.tensors()) + [a for a in args[1:] if isinstance(a, torch.Tensor)]
+
+
+class CheckpointedBlock(nn.Module):
+    """``block`` under :func:`checkpoint_block` with ``bits`` (None: ordinary checkpoint). The
+    block stays a child named ``block``; ``stored_inputs`` lists what the last forward kept."""
+
+    def __init__(self, block: nn.Module, bits: int | None = None):
+        super().__init__()
+        self.block = block
+        self.bits = bits
+        self.stored_inputs: list = []
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self.block(*args, **kwargs)
+        out, self.stored_inputs = _checkpoint(self.block, args, self.bits, kwargs)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"bits={self.bits}"
+
+
+def wrap_blocks(model: nn.Module, bits: int | None = None, select=None) -> list[CheckpointedBlock]:
+    """Wrap the outermost modules whose class name ends in 'Block' (the DeiT, Swin and PVT
+    blocks) in :class:`CheckpointedBlock`, in module order; ``select``: indices (in that order)
+    of the blocks to wrap (None: all). Returns the wrappers."""
+    found = []
+
+    def visit(module):
+        for name, child in module.named_children():
+            if type(child).__name__.endswith("Block") and not isinstance(child, CheckpointedBlock):
+                found.append((module, name, child))
+            else:
+                visit(child)
+    visit(model)
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no '*Block' modules to checkpoint")
+    chosen = range(len(found)) if select is None else list(select)
+    bad = [i for i in chosen if not 0 <= i < len(found)]
+    if bad:
+        raise ValueError(f"wrap_blocks: block indices {bad} out of range (the model has {len(found)})")
+    wrapped = []
+    for i in chosen:
+        parent, name, child = found[i]
+        w = CheckpointedBlock(child, bits)
+        setattr(parent, name, w)
+        wrapped.append(w)
+    return wrapped
