@@ -21,12 +21,13 @@ class DatasetError(RuntimeError):
     """A data set that is missing or not in the expected layout."""
 
 
-# name -> (number of classes, default input size, horizontal-flip probability in training)
+# name -> (number of classes, default input size, horizontal-flip probability in training,
+#          padding of the random crop of images of <= 32 px)
 DATASETS = {
-    "IMNET": (1000, 224, 0.5),
-    "CIFAR100": (100, 224, 0.5),
-    "DIGITS": (10, 32, 0.0),  # digits are not mirror-symmetric
-    "FAKE": (10, 224, 0.5),
+    "IMNET": (1000, 224, 0.5, 4),
+    "CIFAR100": (100, 224, 0.5, 4),
+    "DIGITS": (10, 32, 0.0, 0),  # not mirror-symmetric; a shift of a 8x8 digit moves whole strokes
+    "FAKE": (10, 224, 0.5, 4),
 }
 _ALIASES = {"CIFAR": "CIFAR100", "IMAGENET": "IMNET"}
 
@@ -48,9 +49,9 @@ def canonical_name(name: str) -> str:
 
 
 def dataset_defaults(name: str) -> dict:
-    """``{'num_classes', 'input_size', 'hflip'}`` of a data set."""
-    n, size, hflip = DATASETS[canonical_name(name)]
-    return {"num_classes": n, "input_size": size, "hflip": hflip}
+    """``{'num_classes', 'input_size', 'hflip', 'crop_padding'}`` of a data set."""
+    n, size, hflip, pad = DATASETS[canonical_name(name)]
+    return {"num_classes": n, "input_size": size, "hflip": hflip, "crop_padding": pad}
 
 
 # ---- DIGITS ----------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def build_dataset(is_train: bool, args):
     ``args.fake_size`` (training images; validation gets a quarter, at least 16)."""
     name = canonical_name(args.data_set)
     d = dataset_defaults(name)
-    transform = build_transform(is_train, args, hflip=d["hflip"])
+    transform = build_transform(is_train, args, hflip=d["hflip"], crop_padding=d["crop_padding"])
     if name == "IMNET":
         ds = _imagenet(_require_path(args, name), is_train, transform)
         if len(ds.classes) != d["num_classes"]:

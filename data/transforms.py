@@ -2,7 +2,8 @@
 (RandAugment, color jitter, random erasing), resize + center crop for evaluation.
 
 Images of 32 px or less (CIFAR, DIGITS) are not resized: training replaces timm's random-resized
-crop by ``RandomCrop(size, padding=4)`` and evaluation only normalizes, as DeiT does.
+crop by ``RandomCrop(size, padding=4)`` (DIGITS: no crop) and evaluation only normalizes, as DeiT
+does.
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transf
 from torchvision import transforms
 
 
-def build_transform(is_train: bool, args, hflip: float = 0.5):
+def build_transform(is_train: bool, args, hflip: float = 0.5, crop_padding: int = 4):
     """Transform PIL image -> normalized (3, S, S) float tensor, S = ``args.input_size``.
 
     Reads ``args.input_size, color_jitter, aa, train_interpolation, reprob, remode, recount,
-    eval_crop_ratio``. ``hflip``: horizontal flip probability (0 for digits)."""
+    eval_crop_ratio``. ``hflip``: horizontal flip probability (0 for digits); ``crop_padding``:
+    of the random crop of images of <= 32 px (0: no crop)."""
     size = int(args.input_size)
     resize_im = size > 32
     if is_train:
@@ -24,7 +26,10 @@ def build_transform(is_train: bool, args, hflip: float = 0.5):
                              re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
                              mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
         if not resize_im:
-            t.transforms[0] = transforms.RandomCrop(size, padding=4)
+            if crop_padding:
+                t.transforms[0] = transforms.RandomCrop(size, padding=crop_padding)
+            else:
+                t.transforms[0] = transforms.CenterCrop(size)
         return t
     ops = []
     if resize_im:

@@ -76,6 +76,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--momentum", type=float, default=0.9, metavar="M")
     g.add("--weight-decay", type=float, default=0.05)
     g.add("--sched", default="cosine", metavar="SCHEDULER")
+    g.add("--sched-on-updates", action="store_true",
+          help="step the schedule (warm-up, decay) after every update, not every epoch (timm's option)")
     g.add("--lr", type=float, default=5e-4, help="learning rate for a global batch of 512")
     g.add("--lr-noise", type=float, nargs="+", default=None, metavar="pct, pct")
     g.add("--lr-noise-pct", type=float, default=0.67)

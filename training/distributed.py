@@ -4,6 +4,7 @@ plain process. NCCL on CUDA, gloo on CPU."""
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,21 @@ def all_gather_object(obj) -> list:
     return out
 
 
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list (``scontrol show hostnames``, as mmcv does)."""
+    if not nodelist:
+        raise RuntimeError("srun without SLURM_JOB_NODELIST: set MASTER_ADDR and MASTER_PORT")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"cannot expand the Slurm node list {nodelist!r} with scontrol ({exc}); "
+                           "set MASTER_ADDR") from exc
+    if not out:
+        raise RuntimeError(f"scontrol returned no host for {nodelist!r}; set MASTER_ADDR")
+    return out[0]
+
+
 def init_distributed_mode(device: str, dist_url: str = "env://") -> DistInfo:
     """Join the process group described by the environment (torchrun or srun); otherwise one
     process. ``device``: 'cuda...' selects NCCL and this rank's GPU (``LOCAL_RANK``), else gloo."""
@@ -61,7 +77,7 @@ def init_distributed_mode(device: str, dist_url: str = "env://") -> DistInfo:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local = int(env.get("SLURM_LOCALID", 0))
         if dist_url == "env://" and "MASTER_ADDR" not in env:
-            raise RuntimeError("srun: set MASTER_ADDR and MASTER_PORT (scripts/slurm_train.sh does)")
+            env["MASTER_ADDR"] = _first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
         env.setdefault("MASTER_PORT", "29500")
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local)
     else:

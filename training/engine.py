@@ -65,11 +65,12 @@ def _loss(criterion, outputs, targets):
 
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int, loss_scaler, amp: str = "none",
                     max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10, use_tqdm: bool = False,
-                    tb=None, global_step: int = 0, meter_model=None) -> dict:
+                    tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None) -> dict:
     """One pass over ``data_loader``. Returns the epoch's averages: ``loss, lr, img/s,
     step_ms`` (forward + backward + update, data loading excluded), ``max_mem_mb`` and
     ``saved_act_mib`` (bytes autograd held for backward in the epoch's first step, measured with
-    :class:`mesa_ops.SavedActivationMeter` on ``meter_model``)."""
+    :class:`mesa_ops.SavedActivationMeter` on ``meter_model``, the model without DDP).
+    ``lr_scheduler``: given, it is stepped after every update (``step_update``)."""
     model.train()
     ml = MetricLogger(device=device)
     ml.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.6f}"))
@@ -102,6 +103,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
         step_ms.update((time.perf_counter() - t0) * 1000.0)
         if model_ema is not None:
             model_ema.update(meter_model or model)
+        if lr_scheduler is not None:
+            lr_scheduler.step_update(num_updates=global_step + i + 1)
         lr = optimizer.param_groups[0]["lr"]
         ml.update(loss=loss_value, lr=lr)
         if tb is not None and (i % print_freq == 0 or i == n_steps - 1):
@@ -120,14 +123,14 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
 
 @torch.no_grad()
 def evaluate(data_loader, model, device, amp: str = "none", num_classes: int = 1000, print_freq: int = 10,
-             use_tqdm: bool = False) -> dict:
+             use_tqdm: bool = False, quiet: bool = False) -> dict:
     """Top-1 / top-5 accuracy (%) and cross-entropy over ``data_loader``; prints DeiT's line
-    ``* Acc@1 X Acc@5 Y loss Z``."""
+    ``* Acc@1 X Acc@5 Y loss Z`` (``quiet``: only that line)."""
     criterion = torch.nn.CrossEntropyLoss()
     ml = MetricLogger(device=device)
     model.eval()
     k = min(5, num_classes)
-    for images, target in ml.log_every(data_loader, print_freq, "Test:", use_tqdm=use_tqdm):
+    for images, target in ml.log_every(data_loader, print_freq, "Test:", use_tqdm=use_tqdm, quiet=quiet):
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
         with autocast(amp, device):

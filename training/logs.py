@@ -102,7 +102,9 @@ class MetricLogger:
         for m in self.meters.values():
             m.synchronize_between_processes()
 
-    def log_every(self, iterable, print_freq: int, header: str = "", batch_size_of=None, use_tqdm=False):
+    def log_every(self, iterable, print_freq: int, header: str = "", batch_size_of=None, use_tqdm=False,
+                  quiet: bool = False):
+        """``quiet``: no progress lines and no closing line (the caller prints a summary)."""
         n = len(iterable)
         width = len(str(n))
         iter_time = SmoothedValue(fmt="{avg:.4f}")
@@ -124,7 +126,7 @@ class MetricLogger:
                 bar.update(1)
                 if "loss" in self.meters:
                     bar.set_postfix_str(f"loss {self.meters['loss'].global_avg:.4f}", refresh=False)
-            elif i % print_freq == 0 or i == n - 1:
+            elif not quiet and (i % print_freq == 0 or i == n - 1):
                 eta = datetime.timedelta(seconds=int(iter_time.global_avg * (n - i - 1)))
                 log(self.delimiter.join([
                     f"{header}", f"[{i:{width}d}/{n}]", f"eta: {eta}", str(self),
@@ -134,7 +136,8 @@ class MetricLogger:
         if bar is not None:
             bar.close()
         total = time.time() - start
-        log(f"{header} Total time: {datetime.timedelta(seconds=int(total))} ({total / max(n, 1):.4f} s / it)")
+        if not quiet and bar is None:
+            log(f"{header} Total time: {datetime.timedelta(seconds=int(total))} ({total / max(n, 1):.4f} s / it)")
 
 
 class JsonLog:

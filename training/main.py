@@ -163,7 +163,8 @@ def _run(args, dist_info) -> dict:
         optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
         cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
         min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
-        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed)
+        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed,
+        step_on_epochs=not args.sched_on_updates, updates_per_epoch=len(loader_train))
 
     mixup_fn = None
     if args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None:
@@ -201,7 +202,7 @@ def _run(args, dist_info) -> dict:
             log(f"resumed from {report.source} at epoch {args.start_epoch}")
 
     if args.eval:
-        stats = evaluate(loader_val, model, device, args.amp, num_classes, use_tqdm=args.tqdm)
+        stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes, use_tqdm=args.tqdm)
         log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
         return stats
     if args.train_throughput:
@@ -222,14 +223,16 @@ def _run(args, dist_info) -> dict:
         train_stats = train_one_epoch(
             model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
             max_norm=args.clip_grad, model_ema=model_ema, mixup_fn=mixup_fn, print_freq=args.print_freq,
-            use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp)
+            use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp,
+            lr_scheduler=lr_scheduler if args.sched_on_updates else None)
         lr_scheduler.step(epoch + 1)
-        test_stats = evaluate(loader_val, model, device, args.amp, num_classes, print_freq=args.print_freq * 10,
-                              use_tqdm=False)
-        log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
+        test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
+                              print_freq=args.print_freq * 10, quiet=args.tqdm)
         best = test_stats["acc1"] > max_accuracy
         max_accuracy = max(max_accuracy, test_stats["acc1"])
-        log(f"Max accuracy: {max_accuracy:.2f}%")
+        if not args.tqdm:
+            log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
+            log(f"Max accuracy: {max_accuracy:.2f}%")
         rng = all_gather_object(ckpt.get_rng_states())
         if args.output_dir and is_main_process():
             obj = ckpt.build_checkpoint(model_without_ddp, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Reproduces: PVT-Ti, exact (paper: 75.1% top-1, 7,800 MB)
+# (Mesa, Pan et al. arXiv 2111.11124, ImageNet-1K classification, 224 px, AMP fp16, 8 GPUs x 128 images).
+# Env overrides: DATA (ImageNet root with train/ val/), OUT, GPUS (8), BATCH (per GPU, 128), EPOCHS (300),
+# LAUNCH=dist|slurm (scripts/dist_train.sh or scripts/slurm_train.sh; their env vars apply too).
+# Extra arguments are passed to tools/train.py (e.g. --resume outputs/.../checkpoint.pth).
+# The learning rate is --lr x global batch / 512, as DeiT does.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+export GPUS="${GPUS:-8}"
+exec bash "scripts/${LAUNCH:-dist}_train.sh" \
+  --model pvt_tiny --data-set IMNET --data-path "${DATA:-data/imagenet}" \
+  --batch-size "${BATCH:-128}" --epochs "${EPOCHS:-300}" \
+  --opt adamw --lr 5e-4 --weight-decay 0.05 --sched cosine --warmup-epochs 5 --min-lr 1e-5 --warmup-lr 1e-6 \
+  --smoothing 0.1 --mixup 0.8 --cutmix 1.0 --mixup-switch-prob 0.5 --aa rand-m9-mstd0.5-inc1 --reprob 0.25 --color-jitter 0.4 \
+  --repeated-aug --amp fp16 \
+  --drop-path 0.1 \
+  --output-dir "${OUT:-outputs/paper/pvt_ti}" "$@"
