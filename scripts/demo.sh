@@ -5,7 +5,7 @@
 # CPU, once exact and once with Mesa 8-bit (configs/mesa/mesa_8bit.txt), from the same seed, and prints
 # top-1 accuracy, saved-activation memory and step time of both.
 #
-# Env: EPOCHS (default 25), OUT (outputs/demo), OMP_NUM_THREADS (1: this model is too small to gain
+# Env: EPOCHS (default 30), OUT (outputs/demo), OMP_NUM_THREADS (1: this model is too small to gain
 # from more threads, and a busy machine makes spinning OpenMP threads much slower).
 # Extra arguments go to both tools/train.py runs.
 set -euo pipefail
@@ -15,7 +15,7 @@ cd "$ROOT"
 OUT="${OUT:-outputs/demo}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ARGS=(--model deit_tiny_patch16_224 --model-kwargs patch_size=8 depth=2 embed_dim=64 num_heads=2
-      --data-set DIGITS --input-size 32 --batch-size 32 --epochs "${EPOCHS:-25}"
+      --data-set DIGITS --input-size 32 --batch-size 32 --epochs "${EPOCHS:-30}"
       --unscale-lr --lr 5e-3 --warmup-epochs 1 --sched-on-updates --min-lr 1e-5
       --aa none --color-jitter 0 --reprob 0 --mixup 0 --cutmix 0 --drop-path 0 --no-model-ema
       --num-workers 0 --device cpu --seed 0 --tqdm)

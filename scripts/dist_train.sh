@@ -15,7 +15,7 @@ NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-[ -x "$PY" ] || PY=python
+command -v "$PY" >/dev/null 2>&1 || PY=python
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "$ROOT/tools/train.py" "$@"

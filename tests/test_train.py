@@ -174,3 +174,32 @@ def test_cli_error_exit_status_without_traceback():
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 1
     assert "Traceback" not in p.stderr and p.stderr.strip().startswith("error: unknown model 'deit_nope'"), p.stderr
+
+
+def test_finetune_keeps_the_backbone_and_reinitialises_a_head_of_another_size(tmp_path):
+    kw = dict(patch_size=8, depth=1, embed_dim=32, num_heads=2, img_size=32)
+    src = models.create_model("deit_tiny_patch16_224", num_classes=1000, **kw)
+    torch.save({"model": src.state_dict()}, tmp_path / "imagenet.pth")  # an official-style checkpoint
+    a = training.resolve_args(parse_args(TINY + FAKE + ["--finetune", str(tmp_path / "imagenet.pth")]))
+    m = training.build_model(a, num_classes=10)
+    assert torch.equal(m.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
+    assert m.head.weight.shape == (10, 32)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts" / "paper").glob("*.sh")))
+def test_paper_scripts_give_valid_arguments(script, tmp_path):
+    """Each paper script, launched with PYTHON=echo, prints the torchrun command; its tools/train.py
+    arguments parse, name a known model and an existing policy file."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "paper" / script)], capture_output=True, text=True,
+                       env=env, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    words = p.stdout.split()
+    assert words[:2] == ["-m", "torch.distributed.run"] and "--nproc_per_node" in words
+    a = parse_args(words[words.index(str(TRAIN_PY)) + 1:])
+    assert models.is_model(a.model)
+    assert a.batch_size == (96 if script.startswith("cifar") else 128)
+    assert (a.ms_policy is not None) == script.endswith("_mesa.sh")
+    if a.ms_policy:
+        assert (ROOT / a.ms_policy).is_file()
+    assert a.amp == "fp16" and a.epochs in (300, 1000) and a.output_dir.endswith(script[:-3])

@@ -68,8 +68,12 @@ def build_model(args, num_classes: int):
         model = models.create_model(args.model, **kwargs)
     except TypeError as exc:
         raise UsageError(f"--model {args.model} with {kwargs}: {exc}") from exc
-    if args.finetune:
-        models.load_checkpoint(model, args.finetune, skip=("head.*", "head_dist.*"), verbose=log)
+    if args.finetune:  # as DeiT: a classifier of another shape stays at its initialisation
+        sd, _ = models.checkpoint.extract_state_dict(models.checkpoint.read_checkpoint(args.finetune),
+                                                     args.finetune)
+        own = model.state_dict()
+        skip = [k for k in sd if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
+        models.load_checkpoint(model, sd, skip=skip, verbose=log)
     if args.ms_policy:
         ms.policy.deploy_on_init(model, args.ms_policy, verbose=log)
         if args.mesa_bits:
