@@ -1,0 +1,84 @@
+"""mesa_ops.planner and tools/plan_memory.py on a tiny timm ViT (32 px, 3 blocks)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+
+import mesa_ops as ms
+from mesa_ops import planner as P
+
+
+def _model():
+    torch.manual_seed(0)
+    return ms.compress(timm.create_model("vit_tiny_patch16_224", img_size=32, depth=3, drop_path_rate=0.0),
+                       "off", warn=False)
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    model = _model()
+    x = torch.randn(2, 3, 32, 32)
+    return model, x, P.measure(model, x, time_steps=1)
+
+
+def test_profile_measures_each_option(profiled):
+    model, x, prof = profiled
+    assert len(prof.blocks) == 3 and prof.probe_batch == 2
+    names = {u.name for u in prof.units}
+    assert "blocks.0.attn.attention" in names and "patch_embed.proj" not in names  # stem stays exact
+    for u in prof.units:
+        assert u.bytes[0] > u.bytes[8] > u.bytes[4] > u.bytes[2] > 0, u
+        assert 0 == u.err[0] < u.err[8] < u.err[4] < u.err[2], u
+    exact = ms.audit(model, x, verbose=False).total_bytes
+    # the exact estimate is the audited total, or a little more where a tensor two exact units
+    # share is counted for both (conservative)
+    est = prof.fixed_bytes + sum(u.bytes[0] for u in prof.units)
+    assert exact <= est <= 1.1 * exact
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.25])
+def test_plan_fits_budget_when_measured(profiled, tmp_path, fraction):
+    model, x, prof = profiled
+    exact = ms.audit(model, x, verbose=False).total_bytes
+    budget = int(fraction * exact)
+    plan = P.make_plan(prof, budget, batch_size=2)
+    assert plan.est_bytes <= budget
+    path = P.write_plan(plan, model, str(tmp_path / "plan.txt"))
+    # a fresh model with the written plan: the policy file through deploy_on_init, the
+    # checkpointing from the json; its measured saved bytes fit the budget
+    fresh = _model()
+    ckpt = P.apply_plan(fresh, path)
+    assert ckpt == {k: v for k, v in plan.ckpt.items() if v}
+    got = ms.audit(fresh, x, verbose=False).total_bytes
+    assert got <= budget, (got, budget, plan)
+    if fraction == 0.6:  # exact checkpointing (no error) suffices before any quantization
+        assert all(b == 0 for b in plan.bits.values()) and any(plan.ckpt.values())
+    on = {n: m.enable for n, m in ms.policy.mesa_layers(fresh)}
+    assert on == {n: plan.layer_bits.get(n, 0) > 0 for n in on}
+    with open(path + ".json") as f:
+        assert json.load(f)["budget"] == budget
+
+
+def test_impossible_budget_is_a_clear_error(profiled):
+    _, _, prof = profiled
+    with pytest.raises(P.PlanError, match="below the smallest configuration"):
+        P.make_plan(prof, 1000, batch_size=2)
+
+
+def test_cli_writes_policy_and_exits_2_on_impossible_budget(tmp_path, capsys):
+    from tools.plan_memory import main
+
+    out = tmp_path / "p.txt"
+    plan, got = main(["--model", "test_vit", "--input-size", "32", "--batch-size", "2",
+                      "--budget-gb", "0.00012", "--out", str(out)])
+    assert got["saved_bytes"] <= 0.00012e9 and any(plan.ckpt.values())
+    assert "measured: saved" in capsys.readouterr().out
+    ms.policy.parse_policy(str(out))  # a valid policy file
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "test_vit", "--input-size", "32", "--batch-size", "2",
+              "--budget-gb", "0.000001"])
+    assert exc.value.code == 2
+    assert "below the smallest configuration" in capsys.readouterr().err
