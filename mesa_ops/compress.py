@@ -308,6 +308,8 @@ def _unsupported(model: nn.Module) -> list:
     for name, m in model.named_modules():
         if isinstance(m, L.MESA_LAYERS + (MesaAttentionMixin, QuantMixin)):
             continue
+        if any(isinstance(c, (SDPA, L.MatMul, L.Softmax)) for c in m.children()):
+            continue  # an attention module already built from Mesa ops (this repo's models)
         qn = _qualname(m)
         if hasattr(m, "fused_attn") and hasattr(m, "num_heads"):
             out.append((name, qn, "attention module of an unknown class: its q@k / softmax / "
@@ -423,3 +425,43 @@ def build_model(name: str, policy="mesa8", img_size: int | None = None, **kwargs
     if not own:
         compress(model, policy, warn=False)
     return model
+
+
+def bench(name: str, policy="mesa8", batch_size: int = 4, img_size: int = 224, steps: int = 3) -> dict:
+    """Saved bytes and train-step time of model ``name`` (see :func:`build_model`) with Mesa per
+    ``policy`` vs exact (the same model with every Mesa layer off: for a timm model its original
+    forward). Steps (forward, sum loss, backward; fp32) alternate exact / Mesa; medians."""
+    import statistics
+    import time
+
+    from .audit import audit
+
+    model = build_model(name, policy, img_size=img_size).train()
+    on = {n: m.enable for n, m in mesa_layers(model)}
+    x = torch.randn(batch_size, 3, img_size, img_size)
+
+    def set_on(flag):
+        for n, m in mesa_layers(model):
+            m.enable = on[n] and flag
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        out = model(x)
+        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+        return time.perf_counter() - t0
+
+    res = {"model": name, "policy": str(policy), "batch": batch_size, "img_size": img_size,
+           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    times = {True: [], False: []}
+    for flag in (False, True):
+        set_on(flag)
+        res["saved_mesa" if flag else "saved_exact"] = audit(model, x, verbose=False).total_bytes
+        step()  # warm-up
+    for _ in range(steps):
+        for flag in (False, True):
+            set_on(flag)
+            times[flag].append(step())
+    res["step_exact"] = statistics.median(times[False])
+    res["step_mesa"] = statistics.median(times[True])
+    return res
