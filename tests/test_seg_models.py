@@ -9,16 +9,15 @@ import sys
 
 import pytest
 import torch
+from mmengine.config import Config
+from mmengine.model import revert_sync_batchnorm
+from mmengine.registry import init_default_scope
+from mmseg.registry import MODELS
 
 import mesa_ops as ms
 import models
 import models.seg  # noqa: F401  (registers the backbones; stubs mmcv._ext under mmcv-lite)
 from models.seg import MesaPVT, MesaSwinTransformer, mmcv_ext_stub
-
-from mmengine.config import Config
-from mmengine.model import revert_sync_batchnorm
-from mmengine.registry import init_default_scope
-from mmseg.registry import MODELS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEG_CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "seg", "*.py")))
@@ -96,7 +95,8 @@ def test_every_seg_config_loads_and_builds(no_weight_init):
             assert (cfg.model.decode_head.type, cfg.model.auxiliary_head.type) == ("UPerHead", "FCNHead")
             assert cfg.model.auxiliary_head.loss_decode.loss_weight == 0.4
         model = MODELS.build(cfg.model)
-        enabled = sum(bool(m.enable) for m in model.backbone.modules() if isinstance(m, ms.layers.MESA_LAYERS))
+        enabled = sum(bool(m.enable) for m in model.backbone.modules()
+                      if isinstance(m, ms.layers.MESA_LAYERS))
         assert (enabled > 0) == mesa, (path, enabled)
         body = model.backbone.body
         depths = tuple(body.depths) if bb.type == "MesaPVT" else tuple(len(la.blocks) for la in body.layers)
@@ -115,7 +115,8 @@ def test_every_seg_config_loads_and_builds(no_weight_init):
             with torch.no_grad():
                 for t in model.parameters():
                     t.zero_()  # defined values (the init was skipped)
-                out = model.encode_decode(torch.zeros(1, 3, 32, 32), [dict(img_shape=(32, 32), pad_shape=(32, 32))])
+                out = model.encode_decode(torch.zeros(1, 3, 32, 32),
+                                          [dict(img_shape=(32, 32), pad_shape=(32, 32))])
             assert out.shape == (1, 150, 32, 32), path
         del model
 
@@ -208,7 +209,7 @@ def test_pvt_init_from_classification_checkpoint(tmp_path):
     """An official-layout PVT checkpoint (224 px, with class token, norm and head) initialises the
     backbone through init_cfg=Pretrained; position embeddings are resized to the crop grid."""
     cls_model = models.create_model("pvt_tiny")
-    sd = {k: v for k, v in cls_model.state_dict().items() if not k.rsplit(".", 1)[-1] in
+    sd = {k: v for k, v in cls_model.state_dict().items() if k.rsplit(".", 1)[-1] not in
           ("clip_val", "shift", "iteration")}
     path = tmp_path / "pvt_tiny.pth"
     torch.save({"model": sd}, path)
@@ -226,7 +227,7 @@ def test_pvt_init_from_classification_checkpoint(tmp_path):
 def test_swin_init_from_classification_checkpoint(tmp_path):
     kw = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
     cls_model = models.create_model("swin_tiny_patch4_window7_224", **kw)  # window 7, head, norm, masks
-    sd = {k: v for k, v in cls_model.state_dict().items() if not k.rsplit(".", 1)[-1] in
+    sd = {k: v for k, v in cls_model.state_dict().items() if k.rsplit(".", 1)[-1] not in
           ("clip_val", "shift", "iteration")}
     path = tmp_path / "swin.pth"
     torch.save(sd, path)

@@ -15,7 +15,6 @@ plus what this environment needs:
 from __future__ import annotations
 
 import logging
-import os
 import os.path as osp
 import pickle
 
@@ -60,7 +59,8 @@ def _checkpoint_safe_globals() -> list:
     # float32 / int64 / int32 for numpy scalars a hook may log
     found += [type(np.dtype(name)) for name in ("float64", "float32", "int64", "int32")]
     for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
-        found += [(core.multiarray._reconstruct, f"{mod}._reconstruct"), (core.multiarray.scalar, f"{mod}.scalar")]
+        found += [(core.multiarray._reconstruct, f"{mod}._reconstruct"),
+                  (core.multiarray.scalar, f"{mod}.scalar")]
     return found
 
 
