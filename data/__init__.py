@@ -5,7 +5,8 @@
 
 Data sets (``--data-set``):
 
-* ``IMNET``    ImageNet as an ImageFolder: ``<data-path>/train/<class>/*.JPEG``, ``<data-path>/val/<class>/...``
+* ``IMNET``    ImageNet as an ImageFolder: ``<data-path>/train/<class>/*.JPEG``,
+  ``<data-path>/val/<class>/...``
 * ``CIFAR100`` torchvision's on-disk format ``<data-path>/cifar-100-python/{meta,train,test}``; never
   downloaded (``CIFAR`` is accepted, DeiT's name)
 * ``DIGITS``   the 1797 8x8 handwritten digits that scikit-learn ships, upscaled to RGB (32 px by
@@ -14,10 +15,17 @@ Data sets (``--data-set``):
 
 Missing or malformed data raises :class:`DatasetError` with the expected layout.
 """
-from .datasets import (DATASETS, DatasetError, DigitsDataset, build_dataset, dataset_defaults,
-                       digits_split)
+from .datasets import DATASETS, DatasetError, DigitsDataset, build_dataset, dataset_defaults, digits_split
 from .samplers import RASampler
 from .transforms import build_transform
 
-__all__ = ["build_dataset", "build_transform", "dataset_defaults", "DatasetError", "DigitsDataset",
-           "digits_split", "RASampler", "DATASETS"]
+__all__ = [
+                       "DATASETS",
+                       "DatasetError",
+                       "DigitsDataset",
+                       "RASampler",
+                       "build_dataset",
+                       "build_transform",
+                       "dataset_defaults",
+                       "digits_split",
+]

@@ -14,7 +14,7 @@ from torchvision import datasets
 
 from .transforms import build_transform
 
-__all__ = ["DatasetError", "DATASETS", "build_dataset", "dataset_defaults", "DigitsDataset", "digits_split"]
+__all__ = ["DATASETS", "DatasetError", "DigitsDataset", "build_dataset", "dataset_defaults", "digits_split"]
 
 
 class DatasetError(RuntimeError):

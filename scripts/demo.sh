@@ -26,6 +26,6 @@ echo "== exact"
 echo "== mesa8 (--ms-policy configs/mesa/mesa_8bit.txt)"
 .venv/bin/python tools/train.py "${ARGS[@]}" --ms-policy configs/mesa/mesa_8bit.txt --output-dir "$OUT/mesa8" "$@"
 echo
-echo "DeiT (2 blocks, width 64) on DIGITS, batch 32, $(( SECONDS - start )) s for both runs on $(nproc) CPU core(s):"
+echo "DeiT (2 blocks, width 64) on DIGITS, batch 32, $(( SECONDS - start )) s for both runs on $(getconf _NPROCESSORS_ONLN) CPU cores, OMP_NUM_THREADS=$OMP_NUM_THREADS:"
 .venv/bin/python -m training.report exact="$OUT/exact" mesa8="$OUT/mesa8"
 echo "tensorboard --logdir $OUT   # loss, lr, accuracy, memory, throughput curves"

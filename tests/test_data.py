@@ -55,7 +55,8 @@ def test_fake_dataset_is_deterministic_per_index():
 
 def test_missing_imagenet_names_the_layout(tmp_path):
     with pytest.raises(DatasetError, match=r"train/n01440764"):
-        data.build_dataset(True, data_args(data_set="IMNET", data_path=str(tmp_path / "nope"), input_size=224))
+        data.build_dataset(True, data_args(data_set="IMNET", data_path=str(tmp_path / "nope"),
+                                           input_size=224))
     (tmp_path / "train" / "a").mkdir(parents=True)
     (tmp_path / "val").mkdir()
     with pytest.raises(DatasetError, match="val"):
@@ -90,7 +91,8 @@ def test_ra_sampler_shards(n, world):
     per_rank = n // 256 * 256 // world or -(-n // world)
     assert all(len(s) == per_rank for s in shards)
     # the three copies of an image go to different ranks (consecutive positions across ranks)
-    full = [i for i in torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist() for _ in range(3)]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(5)).tolist()
+    full = [i for i in perm for _ in range(3)]
     assert shards[0][:4] == full[0::world][:4]
     first = [s[0] for s in shards]
     assert len(set(first[:3])) == 1 if world >= 3 else first[0] == first[1]

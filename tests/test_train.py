@@ -25,7 +25,7 @@ TRAIN_PY = ROOT / "tools" / "train.py"
 TINY = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=8", "depth=1", "embed_dim=32",
         "num_heads=2", "--input-size", "32", "--num-workers", "0", "--print-freq", "2", "--device", "cpu"]
 FAKE = ["--data-set", "FAKE", "--fake-size", "64", "--batch-size", "16"]
-ACC_LINE = re.compile(r"^\* Acc@1 [\d.]+ Acc@5 [\d.]+ loss [\d.]+$", re.M)
+ACC_LINE = re.compile(r"^\* Acc@1 [\d.]+ Acc@5 [\d.]+ loss [\d.]+$", re.MULTILINE)
 
 
 def run(argv) -> dict:
@@ -128,16 +128,18 @@ def test_resume_is_exact(tmp_path, capsys):
 def test_train_throughput_protocol(capsys):
     stats = run(TINY + FAKE + ["--train-throughput", "--mesa-bits", "8"])
     text = capsys.readouterr().out
-    assert re.search(r"batch_size 16 throughput [\d.]+ img/s \([\d.]+ ms / step, 20 warm-up \+ 30 timed steps\)",
-                     text)
+    assert re.search(r"batch_size 16 throughput [\d.]+ img/s \([\d.]+ ms / step, "
+                     r"20 warm-up \+ 30 timed steps\)", text)
     assert re.search(r"memory usage: \d+ MB \(peak RSS\)", text)
     assert stats["img/s"] > 0 and stats["max_mem_mb"] > 0
 
 
 def test_deit_spellings_and_defaults():
-    a = parse_args(["--model", "deit_small_patch16_224", "--data-path", "/d", "--output_dir", "o", "--num_workers",
-                    "3", "--dist_url", "tcp://h:1", "--ms_policy", "p.txt", "--batch-size", "128", "--no-model-ema"])
-    assert (a.output_dir, a.num_workers, a.dist_url, a.ms_policy, a.data_path) == ("o", 3, "tcp://h:1", "p.txt", "/d")
+    a = parse_args(["--model", "deit_small_patch16_224", "--data-path", "/d", "--output_dir", "o",
+                    "--num_workers", "3", "--dist_url", "tcp://h:1", "--ms_policy", "p.txt",
+                    "--batch-size", "128", "--no-model-ema"])
+    assert (a.output_dir, a.num_workers, a.dist_url, a.ms_policy, a.data_path) == \
+           ("o", 3, "tcp://h:1", "p.txt", "/d")
     assert (a.batch_size, a.model_ema, a.lr, a.weight_decay, a.smoothing, a.mixup, a.cutmix, a.reprob) == \
            (128, False, 5e-4, 0.05, 0.1, 0.8, 1.0, 0.25)
     assert a.aa == "rand-m9-mstd0.5-inc1" and a.repeated_aug and a.warmup_epochs == 5 and a.sched == "cosine"
@@ -173,7 +175,8 @@ def test_cli_error_exit_status_without_traceback():
     p = subprocess.run([sys.executable, str(TRAIN_PY), "--model", "deit_nope", "--data-set", "FAKE"],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 1
-    assert "Traceback" not in p.stderr and p.stderr.strip().startswith("error: unknown model 'deit_nope'"), p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().startswith("error: unknown model 'deit_nope'"), p.stderr
 
 
 def test_finetune_keeps_the_backbone_and_reinitialises_a_head_of_another_size(tmp_path):

@@ -8,7 +8,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -17,8 +16,9 @@ QUANT = ("clip_val", "shift", "iteration")
 
 def torchrun(out: pathlib.Path, *extra) -> tuple[dict, dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools" / "train.py"), "--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=8",
-           "depth=1", "embed_dim=32", "num_heads=2", "--input-size", "32", "--data-set", "FAKE", "--fake-size", "64",
+           str(ROOT / "tools" / "train.py"), "--model", "deit_tiny_patch16_224", "--model-kwargs",
+           "patch_size=8", "depth=1", "embed_dim=32", "num_heads=2", "--input-size", "32",
+           "--data-set", "FAKE", "--fake-size", "64",
            "--batch-size", "8", "--epochs", "1", "--num-workers", "0", "--device", "cpu", "--mesa-bits", "8",
            "--output-dir", str(out), "--save-rank-state", "--print-freq", "100", "--no-tensorboard", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -18,6 +18,7 @@ from .args import args_to_dict, get_args_parser, parse_args
 from .engine import TrainingError, evaluate, train_one_epoch, train_throughput
 from .main import UsageError, build_model, main, resolve_args
 
+
 def one_line(exc: BaseException) -> str:
     """An error message on one line: each section header of a multi-line message (e.g. a
     CheckpointError's "shape mismatch (19):") with its first entry."""
@@ -34,6 +35,23 @@ def one_line(exc: BaseException) -> str:
 
 KNOWN_ERRORS = (UsageError, DatasetError, PolicyError, CheckpointError, TrainingError, FileNotFoundError)
 
-__all__ = ["main", "get_args_parser", "parse_args", "args_to_dict", "resolve_args", "build_model",
-           "train_one_epoch", "evaluate", "train_throughput", "UsageError", "TrainingError", "KNOWN_ERRORS", "one_line",
-           "args", "checkpoint", "distributed", "engine", "logs"]
+__all__ = [
+    "KNOWN_ERRORS",
+    "TrainingError",
+    "UsageError",
+    "args",
+    "args_to_dict",
+    "build_model",
+    "checkpoint",
+    "distributed",
+    "engine",
+    "evaluate",
+    "get_args_parser",
+    "logs",
+    "main",
+    "one_line",
+    "parse_args",
+    "resolve_args",
+    "train_one_epoch",
+    "train_throughput",
+]

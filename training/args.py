@@ -11,7 +11,7 @@ import argparse
 
 from timm.utils import ParseKwargs
 
-__all__ = ["get_args_parser", "parse_args", "args_to_dict"]
+__all__ = ["args_to_dict", "get_args_parser", "parse_args"]
 
 DATA_SETS = ("IMNET", "CIFAR100", "CIFAR", "DIGITS", "FAKE")
 

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 import mesa_ops as ms
-from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
 from mesa_ops.layers import MESA_LAYERS
+from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
 
-__all__ = ["atomic_save", "build_checkpoint", "get_rng_states", "set_rng_states", "read_checkpoint"]
+__all__ = ["atomic_save", "build_checkpoint", "get_rng_states", "read_checkpoint", "set_rng_states"]
 
 
 def atomic_save(obj, path: str) -> None:
@@ -43,8 +43,8 @@ def _meta(model) -> dict:
     cfg = getattr(model, "pretrained_cfg", None) or {}
     mesa = {name: {"enable": bool(m.enable), "bits": int(m.bits)}
             for name, m in model.named_modules() if isinstance(m, MESA_LAYERS)}
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "architecture": str(cfg.get("architecture", "")),
-            "class": type(model).__name__, "mesa": mesa}
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+            "architecture": str(cfg.get("architecture", "")), "class": type(model).__name__, "mesa": mesa}
 
 
 def build_checkpoint(model, *, optimizer, lr_scheduler, scaler, model_ema, epoch: int, max_accuracy: float,

@@ -10,8 +10,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed_mode", "is_dist", "get_rank", "get_world_size", "is_main_process",
-           "barrier", "all_gather_object", "cleanup"]
+__all__ = [
+    "DistInfo",
+    "all_gather_object",
+    "barrier",
+    "cleanup",
+    "get_rank",
+    "get_world_size",
+    "init_distributed_mode",
+    "is_dist",
+    "is_main_process",
+]
 
 
 @dataclass
@@ -77,7 +86,8 @@ def init_distributed_mode(device: str, dist_url: str = "env://") -> DistInfo:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
         local = int(env.get("SLURM_LOCALID", 0))
         if dist_url == "env://" and "MASTER_ADDR" not in env:
-            env["MASTER_ADDR"] = _first_slurm_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+            nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+            env["MASTER_ADDR"] = _first_slurm_host(nodes)
         env.setdefault("MASTER_PORT", "29500")
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local)
     else:

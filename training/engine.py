@@ -16,8 +16,15 @@ import mesa_ops as ms
 
 from .logs import MetricLogger, SmoothedValue, log, max_memory_mb
 
-__all__ = ["TrainingError", "PlainScaler", "make_scaler", "autocast", "train_one_epoch", "evaluate",
-           "train_throughput"]
+__all__ = [
+    "PlainScaler",
+    "TrainingError",
+    "autocast",
+    "evaluate",
+    "make_scaler",
+    "train_one_epoch",
+    "train_throughput",
+]
 
 MiB = 2.0 ** 20
 
@@ -63,8 +70,9 @@ def _loss(criterion, outputs, targets):
     return criterion(outputs, targets)
 
 
-def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int, loss_scaler, amp: str = "none",
-                    max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10, use_tqdm: bool = False,
+def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int, loss_scaler,
+                    amp: str = "none", max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10,
+                    use_tqdm: bool = False,
                     tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None) -> dict:
     """One pass over ``data_loader``. Returns the epoch's averages: ``loss, lr, img/s,
     step_ms`` (forward + backward + update, data loading excluded), ``max_mem_mb`` and
@@ -97,7 +105,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
             raise TrainingError(f"loss is {loss_value} at epoch {epoch}, step {i}; stopping")
         optimizer.zero_grad(set_to_none=True)
         second_order = getattr(optimizer, "is_second_order", False)
-        loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters(), create_graph=second_order)
+        loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters(),
+                    create_graph=second_order)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_ms.update((time.perf_counter() - t0) * 1000.0)

@@ -14,7 +14,7 @@ import torch
 
 from .distributed import is_dist, is_main_process
 
-__all__ = ["SmoothedValue", "MetricLogger", "max_memory_mb", "log", "JsonLog", "TensorBoard", "save_args"]
+__all__ = ["JsonLog", "MetricLogger", "SmoothedValue", "TensorBoard", "log", "max_memory_mb", "save_args"]
 
 MB = 1024.0 * 1024.0
 
@@ -137,7 +137,8 @@ class MetricLogger:
             bar.close()
         total = time.time() - start
         if not quiet and bar is None:
-            log(f"{header} Total time: {datetime.timedelta(seconds=int(total))} ({total / max(n, 1):.4f} s / it)")
+            log(f"{header} Total time: {datetime.timedelta(seconds=int(total))} "
+                f"({total / max(n, 1):.4f} s / it)")
 
 
 class JsonLog:

@@ -26,7 +26,7 @@ from .distributed import all_gather_object, barrier, cleanup, get_rank, init_dis
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
 from .logs import JsonLog, TensorBoard, log, save_args
 
-__all__ = ["UsageError", "main", "resolve_args", "build_model"]
+__all__ = ["UsageError", "build_model", "main", "resolve_args"]
 
 
 class UsageError(ValueError):
@@ -72,7 +72,8 @@ def build_model(args, num_classes: int):
         sd, _ = models.checkpoint.extract_state_dict(models.checkpoint.read_checkpoint(args.finetune),
                                                      args.finetune)
         own = model.state_dict()
-        skip = [k for k in sd if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
+        skip = [k for k in sd
+                if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
         models.load_checkpoint(model, sd, skip=skip, verbose=log)
     if args.ms_policy:
         ms.policy.deploy_on_init(model, args.ms_policy, verbose=log)
@@ -101,7 +102,8 @@ def _loaders(args, dist_info, train_set, val_set):
         sampler_train = torch.utils.data.DistributedSampler(train_set, num_replicas=world, rank=rank,
                                                             shuffle=True, seed=args.seed)
     if dist_info.distributed and args.dist_eval:
-        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=world, rank=rank, shuffle=False)
+        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=world, rank=rank,
+                                                          shuffle=False)
     else:
         sampler_val = torch.utils.data.SequentialSampler(val_set)
     common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
@@ -133,8 +135,8 @@ def _run(args, dist_info) -> dict:
     _seed(args.seed + dist_info.rank)
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
-    log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), device {device}, "
-        f"amp {args.amp}")
+    log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
+        f"device {device}, amp {args.amp}")
 
     train_set, num_classes = data.build_dataset(True, args)
     val_set, _ = data.build_dataset(False, args)
@@ -159,13 +161,14 @@ def _run(args, dist_info) -> dict:
     base_lr = args.lr
     if not args.unscale_lr:
         args.lr = base_lr * global_batch / 512.0
-    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
-                                    momentum=args.momentum, eps=args.opt_eps,
+    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr,
+                                    weight_decay=args.weight_decay, momentum=args.momentum, eps=args.opt_eps,
                                     **({"betas": tuple(args.opt_betas)} if args.opt_betas else {}))
     loss_scaler = make_scaler(args.amp, device)
     lr_scheduler, _ = create_scheduler_v2(
         optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs, decay_rate=args.decay_rate,
+        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs,
+        decay_rate=args.decay_rate,
         min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
         noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed,
         step_on_epochs=not args.sched_on_updates, updates_per_epoch=len(loader_train))
@@ -210,7 +213,8 @@ def _run(args, dist_info) -> dict:
         log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
         return stats
     if args.train_throughput:
-        return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp, mixup_fn)
+        return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
+                                mixup_fn)
 
     args_dict = args_to_dict(args)
     save_args(args_dict, args.output_dir)

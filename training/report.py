@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-__all__ = ["read_log", "table", "main"]
+__all__ = ["main", "read_log", "table"]
 
 
 def read_log(output_dir: str) -> list[dict]:
@@ -30,8 +30,9 @@ def table(runs: dict[str, str]) -> str:
     for label, folder in runs.items():
         log = read_log(folder)
         last = log[-1]
-        r = {"label": label, "epochs": last["epoch"] + 1, "final": last["test_acc1"], "best": last["max_accuracy"],
-             "saved": last["train_saved_act_mib"], "step": last["train_step_ms"], "mem": last["train_max_mem_mb"]}
+        r = {"label": label, "epochs": last["epoch"] + 1, "final": last["test_acc1"],
+             "best": last["max_accuracy"], "saved": last["train_saved_act_mib"],
+             "step": last["train_step_ms"], "mem": last["train_max_mem_mb"]}
         base = base or r
         rows.append(r)
     out = ["| run | epochs | top-1 final (best) | saved activations / step | step time | peak memory |",
