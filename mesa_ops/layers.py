@@ -215,8 +215,10 @@ class MatMul(_TwoQuant, nn.Module):
         self.tag = "matmul"
 
     def forward(self, a, b):
-        """Each input is stored packed when its quantizer is enabled, exactly otherwise."""
-        if (self.quant1.enable or self.quant2.enable) and self.training and _needs_grad(a, b):
+        """Each input is stored packed when its quantizer is enabled, exactly otherwise; ``a``
+        already packed by a Mesa Softmax is stored as that copy (once) in any case."""
+        on = self.quant1.enable or self.quant2.enable or hasattr(a, "_mesa_saved")
+        if on and self.training and _needs_grad(a, b):
             return MF.matmul_fn(a, b, self.quant1, self.quant2)
         return torch.matmul(a, b)
 

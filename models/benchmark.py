@@ -2,9 +2,11 @@
 
 Modes: ``exact`` (the models' default: fused ``scaled_dot_product_attention``, which keeps no
 N x N attention matrix); ``exact-explicit`` (q@k, softmax, attn@v as separate ops, the paper's
-baseline); ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, matmul, gelu, layernorm, softmax);
-``ckpt`` (``torch.utils.checkpoint``, non-reentrant, around each top-level Transformer block);
-``mesa8+ckpt``. For each (model, mode) one worker process builds the model, runs ``warmup +
+baseline); ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, gelu, layernorm and attention through the
+fused ``ms.SDPA``); ``mesa8-explicit`` (the paper's Mesa: q@k, softmax, attn@v compressed as
+separate ops); ``ckpt`` (``torch.utils.checkpoint``, non-reentrant, around each top-level
+Transformer block); ``mesa8+ckpt``; ``mesa8+cckpt`` (Mesa 8-bit with compressed checkpointing:
+each block keeps its input at 8 bits, :mod:`mesa_ops.checkpoint`). For each (model, mode) one worker process builds the model, runs ``warmup +
 steps`` train steps (forward, loss, backward, SGD step) and reports:
 
 * ``saved_bytes``: bytes autograd holds for backward after one forward (unique storages,
@@ -31,11 +33,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as tckpt
 
 from mesa_ops.bench import saved_bytes, sync
+from mesa_ops.checkpoint import wrap_blocks
 
-MODES = ("exact", "exact-explicit", "mesa8", "mesa4", "mesa2", "ckpt", "mesa8+ckpt")
+MODES = ("exact", "exact-explicit", "mesa8", "mesa8-explicit", "mesa4", "mesa2", "ckpt", "mesa8+ckpt",
+         "mesa8+cckpt")
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -79,41 +82,15 @@ def _mode_policy(model: str, mode: str):
     return {"bits": int(mode[4]), "tags": tags}
 
 
-class _CheckpointedBlock(nn.Module):
-    """Runs ``block`` under non-reentrant activation checkpointing; records its inputs' bytes."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-        self.stored_inputs: list = []
-
-    def forward(self, *args, **kwargs):
-        if not (self.training and torch.is_grad_enabled()):
-            return self.block(*args, **kwargs)
-        self.stored_inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        return tckpt.checkpoint(self.block, *args, use_reentrant=False, **kwargs)
-
-
-def checkpoint_blocks(model: nn.Module) -> list[_CheckpointedBlock]:
-    """Wrap every outermost module whose class name ends in 'Block' (DeiT, Swin, PVT blocks)."""
-    wrapped = []
-
-    def visit(module):
-        for name, child in module.named_children():
-            if type(child).__name__.endswith("Block"):
-                w = _CheckpointedBlock(child)
-                setattr(module, name, w)
-                wrapped.append(w)
-            else:
-                visit(child)
-    visit(model)
-    if not wrapped:
-        raise ValueError(f"{type(model).__name__}: no '*Block' modules to checkpoint")
-    return wrapped
+def checkpoint_blocks(model: nn.Module, bits: int | None = None) -> list:
+    """Wrap every outermost module whose class name ends in 'Block' (DeiT, Swin, PVT blocks) in
+    non-reentrant checkpointing (``bits``: keep each block's input packed at that many bits)."""
+    return wrap_blocks(model, bits)
 
 
 def build(cfg: Config) -> tuple[nn.Module, list]:
     from . import create_model
+    from .layers import set_attn_impl
 
     policy = _mode_policy(cfg.model, cfg.mode)
     model = create_model(cfg.model, ms_policy=policy, img_size=cfg.input_size,
@@ -124,7 +101,12 @@ def build(cfg: Config) -> tuple[nn.Module, list]:
         for m in model.modules():
             if hasattr(m, "fused_attn"):
                 m.fused_attn = False
-    wrapped = checkpoint_blocks(model) if cfg.mode.endswith("ckpt") else []
+    if cfg.mode.endswith("-explicit"):
+        set_attn_impl(model, "explicit")
+    if cfg.mode.endswith("+cckpt"):
+        wrapped = checkpoint_blocks(model, bits=8)
+    else:
+        wrapped = checkpoint_blocks(model) if cfg.mode.endswith("ckpt") else []
     return model.to(cfg.device).train(), wrapped
 
 
@@ -145,8 +127,8 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def measure(cfg: Config) -> Record:
-    """Run one configuration in this process and return its record."""
+def _setup(cfg: Config):
+    """(model, checkpoint wrappers, input batch, one train step) of a configuration."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
@@ -166,6 +148,33 @@ def measure(cfg: Config) -> Record:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    return model, wrapped, x, step
+
+
+def measure_interleaved(cfgs: list[Config]) -> list[float]:
+    """Median step times of ``cfgs`` (same model and batch, different modes) built side by side in
+    this process and stepped in turn (one step of each per round), so that load from other
+    processes hits every mode alike."""
+    states = [_setup(c) for c in cfgs]
+    times = [[] for _ in cfgs]
+    for i in range(max(c.warmup + c.steps for c in cfgs)):
+        for j, (c, (_, _, _, step)) in enumerate(zip(cfgs, states)):
+            if i >= c.warmup + c.steps:
+                continue
+            sync(c.device)
+            t0 = time.perf_counter()
+            step()
+            sync(c.device)
+            if i >= c.warmup:
+                times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) if t else float("nan") for t in times]
+
+
+def measure(cfg: Config) -> Record:
+    """Run one configuration in this process and return its record."""
+    dev = cfg.device
+    amp = PRECISIONS[cfg.precision]
+    model, wrapped, x, step = _setup(cfg)
 
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -209,6 +218,22 @@ def _worker(cfg: Config, timeout: float | None, extra_env: dict | None = None) -
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"benchmark worker failed for {cfg}:\n{proc.stderr[-3000:]}")
     return Record(**json.loads(lines[-1]))
+
+
+def run_interleaved(cfgs: list[Config], timeout: float | None = None) -> list[Record]:
+    """Records of ``cfgs`` (one model, several modes; CPU): saved bytes and peak from one fresh
+    memory worker each, step times from one worker that steps all of them in turn
+    (:func:`measure_interleaved`)."""
+    recs = [run_in_worker(c, timeout, memory_only=True) for c in cfgs]
+    cmd = [sys.executable, "-m", "models.benchmark", "--interleaved", json.dumps([asdict(c) for c in cfgs])]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"interleaved benchmark worker failed:\n{proc.stderr[-3000:]}")
+    for r, t in zip(recs, json.loads(lines[-1])):
+        r.step_time_s = t
+    return recs
 
 
 def run_in_worker(cfg: Config, timeout: float | None = None, memory_only: bool = False) -> Record:
@@ -304,6 +329,8 @@ def plot(records: list[Record], path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # worker entry: python -m models.benchmark '<Config json>'
-    rec = measure(Config(**json.loads(sys.argv[1])))
-    print(json.dumps(asdict(rec)))
+if __name__ == "__main__":  # worker: python -m models.benchmark [--interleaved] '<Config json (list)>'
+    if sys.argv[1] == "--interleaved":
+        print(json.dumps(measure_interleaved([Config(**c) for c in json.loads(sys.argv[2])])))
+    else:
+        print(json.dumps(asdict(measure(Config(**json.loads(sys.argv[1]))))))

@@ -1,8 +1,10 @@
 """Memory and speed of whole models, exact vs Mesa vs activation checkpointing, side by side.
 
     .venv/bin/python tools/benchmark.py --model deit_tiny_patch16_224 --batch-size 4 \
-        --modes exact,mesa8,ckpt --steps 3 --json bench.json --plot bench.png
-Each configuration runs in a fresh worker process (peak RSS on CPU is then its own).
+        --modes exact,mesa8,mesa8+cckpt --steps 3 --json bench.json --plot bench.png
+Memory: each configuration in a fresh worker process (peak RSS on CPU is then its own). CPU step
+times: one worker per model builds all its modes and steps them in turn (``--sequential``: one
+worker per configuration).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", nargs="+", default=["deit_tiny_patch16_224"],
                     help="registered model name(s) (see models.list_models())")
-    ap.add_argument("--modes", default="exact,exact-explicit,mesa8,mesa4,mesa2,ckpt,mesa8+ckpt")
+    ap.add_argument("--modes", default="exact,exact-explicit,mesa8,mesa8-explicit,mesa4,ckpt,mesa8+cckpt")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--input-size", type=int, default=224)
     ap.add_argument("--precision", choices=sorted(B.PRECISIONS), default="fp32")
@@ -36,6 +38,9 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="", help="PNG path for memory/time bar charts")
+    ap.add_argument("--sequential", action="store_true",
+                    help="CPU: time each configuration in its own worker instead of stepping a "
+                         "model's modes in turn in one worker (the default, robust to other load)")
     args = ap.parse_args(argv)
 
     modes = [m for m in args.modes.split(",") if m]
@@ -45,8 +50,12 @@ def main(argv=None) -> None:
     configs = [B.Config(m, md, args.batch_size, args.input_size, args.precision, args.steps,
                         args.warmup, args.device) for m in args.model for md in modes]
     records, budgets = [], {}
-    for cfg in tqdm(configs, desc="configurations", file=sys.stderr):
-        records.append(B.run_in_worker(cfg))
+    if args.device == "cpu" and not args.sequential:
+        for name in tqdm(args.model, desc="models", file=sys.stderr):
+            records += B.run_interleaved([c for c in configs if c.model == name])
+    else:
+        records = [B.run_in_worker(cfg) for cfg in tqdm(configs, desc="configurations", file=sys.stderr)]
+    for cfg in configs:
         if args.budget_gb:
             budgets[(cfg.model, cfg.mode)] = B.largest_batch(cfg, int(args.budget_gb * 2**30),
                                                              args.max_batch)

@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from ..amp import no_autocast
-from ..quant import QTensor, attach_saved, release, save_for_backward, saved_tensors
+from ..amp import fp16_autocast, no_autocast
+from ..quant import QTensor, attach_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
@@ -80,10 +80,10 @@ def head_layout(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.view(b, n, heads, c // heads).transpose(1, 2)
 
 
-def _pack(quant, x4: torch.Tensor):
+def _pack(quant, x4: torch.Tensor, amp16: bool):
     """Head-wise packed copy of (B, H, L, D) ``x4`` (its (B, L, H*D) layout, H groups of D), or
     ``x4`` itself when this quantizer is off."""
-    return quant.quantize(token_layout(x4)) if quant.enable else x4
+    return quant.quantize(token_layout(x4), amp16) if quant.enable else x4
 
 
 def _unpack(item, heads: int):
@@ -99,7 +99,7 @@ def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
 
 class _SDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge):
+    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
         qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
@@ -124,9 +124,10 @@ class _SDPA(torch.autograd.Function):
         else:
             raise NotImplementedError(f"mesa SDPA: backend {choice} (cuDNN / overrideable) is not "
                                       "supported; disable it with torch.nn.attention.sdpa_kernel")
-        qo = _pack(mod.quant_o, out) if choice != MATH else None
-        save_for_backward(ctx, _pack(mod.quant_q, qc), _pack(mod.quant_k, kc), _pack(mod.quant_v, vc),
-                          qo, lse, bias, window_mask, *extra)
+        qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
+        save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
+                          _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
+        ctx.mesa_name = mod.describe()
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
@@ -134,6 +135,7 @@ class _SDPA(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         items = saved_tensors(ctx)
         qh, kh, vh, oh = (None if t is None else _unpack(t, ctx.heads) for t in items[:4])
@@ -175,7 +177,7 @@ class _SDPA(torch.autograd.Function):
         release(qh, kh, vh, oh)
         dq, dk, dv, db = ctx.dtypes
         return (gq.to(dq), gk.to(dk), gv.to(dv), None if gbias is None else gbias.to(db),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = False) -> torch.Tensor:
@@ -195,11 +197,12 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     else:
         am = build_mask(bias, None, q.shape[0], cdt)
         choice = sdp_choice(q.to(cdt), k.to(cdt), v.to(cdt), am, 0.0, scale)
+    amp16 = fp16_autocast(q)  # read before autocast is switched off
     with no_autocast(q):
-        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge)
+        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16)
     node = y.grad_fn
     qo = getattr(node, "mesa_qo", None)
     if qo is not None:
-        attach_saved(y, qo)
+        attach_saved(y, qo, mod.quant_o.stochastic)
         node.mesa_qo = None
     return y

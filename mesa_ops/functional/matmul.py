@@ -9,17 +9,25 @@ from ..amp import compute_dtype, fp16_autocast, no_autocast
 from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` saved exactly (its quantizer off): a compact copy when it is a view into a larger
+    buffer (k or v of a fused qkv output), which would otherwise keep the whole buffer alive."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 class _MatMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, quant1, quant2, cdt, amp16):
         ac, bc = a.to(cdt), b.to(cdt)
         y = torch.matmul(ac, bc)
-        qa = ac
-        if quant1.enable:  # a softmax output already packed the same way is stored once
-            qa = find_saved(a, quant1)  # (backward casts it to cdt)
-            if qa is None:
-                qa = quant1.quantize(ac, amp16)
-        save_for_backward(ctx, qa, quant2.quantize(bc, amp16) if quant2.enable else bc)
+        # a softmax output already packed the same way is stored once -- also when quant1 is off
+        # (a policy enabling only softmax-1): an exact copy besides it would store more than exact
+        qa = find_saved(a, quant1)  # (backward casts it to cdt)
+        if qa is None:
+            qa = quant1.quantize(ac, amp16) if quant1.enable else _exact(ac)
+        save_for_backward(ctx, qa, quant2.quantize(bc, amp16) if quant2.enable else _exact(bc))
         ctx.mesa_name = quant1.describe()
         ctx.shapes, ctx.dtypes, ctx.cdt = (a.shape, b.shape), (a.dtype, b.dtype), cdt
         return y
