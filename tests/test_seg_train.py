@@ -97,8 +97,8 @@ def test_seg_train_step_saved_activations(config, crop):
     """Saved activations of one train iteration of the whole segmentor (backbone + neck + heads +
     loss), Mesa 8-bit vs off, at the largest crop the test budget allows (the benchmark,
     tools/seg_benchmark.py, measures 512x512)."""
-    on = train_step_stats(config, crop=crop, batch=2, mesa=True)
-    off = train_step_stats(config, crop=crop, batch=2, mesa=False, model=on["model"])
+    on = train_step_stats(config, crop=crop, batch=2, mesa=True, steps=0)
+    off = train_step_stats(config, crop=crop, batch=2, mesa=False, model=on["model"], steps=0)
     ratio = on["saved_bytes"] / off["saved_bytes"]
     print(f"{os.path.basename(config)} crop {crop} batch 2: saved {on['saved_bytes'] / 2**20:.1f} MiB "
           f"with Mesa "

@@ -61,13 +61,16 @@ def random_batch(batch: int, crop: int, num_classes: int = 150, seed: int = 0):
 
 def train_step_stats(config: str, crop: int = 512, batch: int = 2, mesa: bool = True, steps: int = 1,
                      model=None, cfg_options: dict | None = None) -> dict:
-    """One or more train iterations of ``config``'s segmentor; returns ``saved_bytes`` (of the
-    first step), ``step_s`` (median), ``loss`` (first step), ``mesa_layers_on``.
+    """``steps`` + 1 train iterations of ``config``'s segmentor: the first one metered (and not
+    timed: it is also the warm-up), then ``steps`` timed ones. Returns ``saved_bytes`` (of the
+    metered step), ``backbone_saved_bytes`` (the part saved by the time the backbone returns: its
+    activations and the input image), ``step_s`` (median of the timed steps; None when
+    ``steps=0``), ``loss`` (first step), ``mesa_layers_on``.
 
     ``model``: an already built segmentor to reuse (its Mesa layers are switched per ``mesa`` only
     when off is asked: pass a fresh Mesa model for ``mesa=True``)."""
-    if steps < 1:
-        raise ValueError(f"steps={steps}: need at least one")
+    if steps < 0:
+        raise ValueError(f"steps={steps}: expected >= 0")
     if model is None:
         model = build_segmentor(config, crop, cfg_options)
     if not mesa:
@@ -77,21 +80,33 @@ def train_step_stats(config: str, crop: int = 512, batch: int = 2, mesa: bool = 
         raise ValueError(f"{config}: mesa=True but the model has no Mesa layer enabled (use a -mesa8 config)")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     images, samples = random_batch(batch, crop)
-    saved, times, first_loss = None, [], None
-    for i in range(steps):
-        t0 = time.perf_counter()
+
+    def step(meter=None):
         opt.zero_grad(set_to_none=True)
-        if i == 0:
-            with ms.SavedActivationMeter(model) as meter:
-                losses = model.loss(images, samples)
-                loss = sum(v for k, v in losses.items() if "loss" in k)
-            saved = meter.total_bytes
-            first_loss = float(loss)
-        else:
-            losses = model.loss(images, samples)
-            loss = sum(v for k, v in losses.items() if "loss" in k)
+        losses = model.loss(images, samples)
+        loss = sum(v for k, v in losses.items() if "loss" in k)
+        if meter is not None:
+            saved.append(meter.total_bytes)
         loss.backward()
         opt.step()
+        return loss.item()
+
+    # step 0: metered (hooks), also the warm-up (first-call allocations, kernel loading), not timed
+    saved, backbone_saved = [], []
+    with ms.SavedActivationMeter(model) as meter:
+        # the backbone runs first (extract_feat): the total when it returns is its share
+        hook = model.backbone.register_forward_hook(
+            lambda mod, args, out: backbone_saved.append(meter.total_bytes))
+        try:
+            first_loss = step(meter)
+        finally:
+            hook.remove()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
         times.append(time.perf_counter() - t0)
-    return dict(config=config, crop=crop, batch=batch, mesa=mesa, saved_bytes=saved,
-                step_s=statistics.median(times), loss=first_loss, mesa_layers_on=on, model=model)
+    return dict(config=config, crop=crop, batch=batch, mesa=mesa, saved_bytes=saved[0],
+                backbone_saved_bytes=backbone_saved[0],
+                step_s=statistics.median(times) if times else None, loss=first_loss, mesa_layers_on=on,
+                model=model)
