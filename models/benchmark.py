@@ -197,7 +197,9 @@ def measure(cfg: Config) -> Record:
     else:  # the training peak above the loaded model: RSS high-water mark minus RSS before step 1
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
     meter = saved_bytes(model, (x,), autocast_dtype=amp)
-    saved = meter.total_bytes + _unique_bytes(t for w in wrapped for t in w.stored_inputs)
+    # the meter sees what a checkpointed block keeps (torch's checkpoint saves its inputs for
+    # backward, the packed input of a compressed one likewise): counted once, here
+    saved = meter.total_bytes
     return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, saved,
                   int(peak), statistics.median(times) if times else float("nan"),
                   by_type=dict(meter.by_type))

@@ -1,0 +1,98 @@
+"""mesa_ops.checkpoint: compressed activation checkpointing (the block input kept packed)."""
+import pytest
+import torch
+
+import mesa_ops as ms
+import models
+from mesa_ops.checkpoint import CheckpointedBlock, checkpoint_block, wrap_blocks
+from models.deit import Block
+from models.pvt import Block as PVTBlock
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _grads(block, fn, x, gy):
+    xl = x.detach().clone().requires_grad_()
+    y = fn(xl)
+    params = list(block.parameters())
+    return y, torch.autograd.grad(y, [xl] + params, gy)
+
+
+@pytest.mark.parametrize("mesa", [False, True])
+def test_checkpoint_block_forward_exact_gradients_within_8bit_bound(mesa):
+    torch.manual_seed(0)
+    block = Block(64, 2, qkv_bias=True, drop_path=0.).train()
+    if mesa:
+        ms.policy.set_mesa(block, bits=8)
+    x = torch.rand(3, 50, 64) * 2 - 1
+    gy = torch.randn(3, 50, 64)
+    y0, g0 = _grads(block, block, x, gy)
+    y_ck, g_ck = _grads(block, lambda t: checkpoint_block(block, t), x, gy)  # bits=None: ordinary
+    y8, g8 = _grads(block, lambda t: checkpoint_block(block, t, bits=8), x, gy)
+    assert torch.equal(y_ck, y0) and torch.equal(y8, y0), "the forward must be the block's, bit for bit"
+    errs = [rel_err(a, b) for a, b in zip(g8, g0)]
+    if not mesa:  # the plain checkpoint recomputes exactly; the 8-bit input brings 8-bit error
+        assert max(rel_err(a, b) for a, b in zip(g_ck, g0)) <= 1e-6
+        assert 1e-6 < max(errs) <= 1e-2, errs
+    else:  # on top of Mesa's own 8-bit storage (its running ranges: updated once per step)
+        assert max(errs) <= 3e-2, errs
+        assert all(float(m.iteration) == 3 for m in block.modules() if isinstance(m, ms.LayerNorm))
+
+
+def test_checkpoint_block_keeps_only_the_packed_input():
+    torch.manual_seed(0)
+    block = Block(64, 2).train()
+    x = (torch.rand(4, 50, 64) * 2 - 1).requires_grad_()
+    w8, w = CheckpointedBlock(block, bits=8), CheckpointedBlock(block, bits=None)
+    with ms.SavedActivationMeter() as plain:
+        block(x)
+    kept = {}
+    for wrapper in (w, w8):
+        with ms.SavedActivationMeter() as meter:
+            wrapper(x)
+        # only what the checkpoint keeps is saved for backward (the meter sees it)
+        kept[wrapper.bits] = sum(t.numel() * t.element_size() for t in wrapper.stored_inputs)
+        assert kept[wrapper.bits] <= meter.total_bytes <= kept[wrapper.bits] + 64  # (storage padding)
+    kept = kept[8]
+    full = x.numel() * 4
+    assert full // 4 <= kept <= full // 4 + 64  # 8-bit codes + 2 fp32 per group (2 groups of 32)
+    assert w.stored_inputs[0] is x
+    assert plain.total_bytes > 10 * kept
+
+
+def test_four_bit_and_extra_arguments_pvt_block():
+    """PVT's block(x, H, W): x packed at 4 bits, H and W passed on; gradients within 4-bit error."""
+    torch.manual_seed(0)
+    block = PVTBlock(64, 2, sr_ratio=2).train()
+    x = torch.rand(2, 64, 64) * 2 - 1
+    gy = torch.randn(2, 64, 64)
+    y0, g0 = _grads(block, lambda t: block(t, 8, 8), x, gy)
+    y4, g4 = _grads(block, lambda t: checkpoint_block(block, t, 8, 8, bits=4), x, gy)
+    assert torch.equal(y4, y0)
+    assert max(rel_err(a, b) for a, b in zip(g4, g0)) <= 0.2
+
+
+def test_eval_and_no_grad_run_the_block_and_errors():
+    block = Block(64, 2).eval()
+    x = torch.rand(2, 5, 64)
+    assert torch.equal(checkpoint_block(block, x, bits=8), block(x))
+    with pytest.raises(TypeError, match="floating tensor"):
+        checkpoint_block(Block(64, 2).train(), torch.ones(2, 5, 64, dtype=torch.long), bits=8)
+
+
+def test_wrap_blocks_selection_on_a_model():
+    torch.manual_seed(0)
+    m = models.create_model("deit_tiny_patch16_224", img_size=32, depth=4, num_classes=10,
+                            drop_path_rate=0.).train()
+    x = torch.rand(2, 3, 32, 32)
+    y0 = m(x)
+    wrapped = wrap_blocks(m, bits=8, select=[1, 3])
+    assert [type(b).__name__ for b in m.blocks] == ["Block", "CheckpointedBlock", "Block", "CheckpointedBlock"]
+    assert torch.equal(m(x), y0)
+    m(x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+    assert len(wrapped) == 2 and all(w.bits == 8 for w in wrapped)
+    with pytest.raises(ValueError, match="out of range"):
+        wrap_blocks(models.create_model("deit_tiny_patch16_224", img_size=32, depth=2), select=[5])
