@@ -265,11 +265,14 @@ def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
     """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra}``, readable
     with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
     layer, whether it was enabled and at how many bits."""
+    from .registry import registry_name
+
     cfg = getattr(model, "pretrained_cfg", None) or {}
     mesa = {name: {"enable": bool(m.enable), "bits": int(m.bits)}
             for name, m in model.named_modules() if isinstance(m, MESA_LAYERS)}
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "architecture": str(cfg.get("architecture", "")), "class": type(model).__name__, "mesa": mesa}
+            "architecture": registry_name(str(cfg.get("architecture", ""))),
+            "class": type(model).__name__, "mesa": mesa}
     obj = {"model": model.state_dict(), "meta": meta}
     if extra:
         clash = set(extra) & set(obj)

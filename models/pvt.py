@@ -22,8 +22,10 @@ import mesa_ops as ms
 
 from .checkpoint import resize_pos_embed
 from .layers import (AttentionOps, PatchEmbed, QuantGroups, build_layer, init_prenorm_block,
-                     init_weights, PyramidHeadMixin, trunc_normal_)
+                     init_weights, PyramidHeadMixin, to_2tuple, trunc_normal_)
 from .registry import register_model
+from .timm_api import (GradCheckpointing, check_global_pool, check_output_fmt, feature_take_indices,
+                       init_grad_checkpointing, pool_tokens, tokens_to_nchw)
 
 __all__ = ["SRAttention", "Block", "PyramidVisionTransformer"]
 
@@ -93,11 +95,18 @@ class Block(nn.Module):
         return x
 
 
-class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
+class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
     """PVT v1 classifier. ``norm_layer`` is the blocks' and final norm (eps 1e-6 in the official
     models); ``sr_norm_layer`` the norm of the patch embeddings and of the spatial reduction (plain
     LayerNorm, eps 1e-5, in the official code). Other arguments as in
-    :class:`models.deit.VisionTransformer`."""
+    :class:`models.deit.VisionTransformer`.
+
+    timm's model contract: PVT v1 classifies from a class token that joins at stage 4, so
+    ``forward_features`` gives the last stage's normed tokens (B, 1 + N, C) and
+    ``forward_head(x, pre_logits)`` pools them (``global_pool``: 'token' as the official model,
+    'avg', or ''); ``forward_intermediates`` / ``feature_info`` give the four stages as NCHW maps
+    (strides 4, 8, 16, 32); ``set_grad_checkpointing(enable, bits)`` checkpoints every block.
+    """
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000,
                  embed_dims=(64, 128, 256, 512), num_heads=(1, 2, 4, 8), mlp_ratios=(4, 4, 4, 4),
@@ -105,18 +114,20 @@ class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
                  attn_drop_rate=0., drop_path_rate=0., norm_layer=ms.LayerNorm, depths=(3, 4, 6, 3),
                  sr_ratios=(8, 4, 2, 1), num_stages=4, act_layer=ms.GELU, linear_layer=ms.Linear,
                  conv_layer=ms.Conv2d, sr_norm_layer=ms.LayerNorm, matmul_layer=ms.MatMul,
-                 softmax_layer=ms.Softmax, quant_groups="heads", quant_group_size=None, fused_attn=True):
+                 softmax_layer=ms.Softmax, quant_groups="heads", quant_group_size=None, fused_attn=True,
+                 global_pool="token", grad_checkpointing=False, grad_checkpointing_bits=None):
         super().__init__()
         self.num_classes = num_classes
+        self.global_pool = check_global_pool(global_pool)
         self.depths = depths
         self.num_stages = num_stages
         self.embed_dims = embed_dims
-        self.num_features = embed_dims[num_stages - 1]
+        self.num_features = self.head_hidden_size = embed_dims[num_stages - 1]
         self.linear_layer = linear_layer
         self.qgroups = qg = QuantGroups(quant_groups, quant_group_size)
         self.last_heads = num_heads[num_stages - 1]
 
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        dpr = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
         cur = 0
         for i in range(num_stages):
             in_ch = in_chans if i == 0 else embed_dims[i - 1]
@@ -142,6 +153,9 @@ class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
                                 quant_groups=qg(self.num_features, self.last_heads, "norm"))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, self.num_features))
         self.head = self._make_head(num_classes)
+        self.feature_info = [dict(num_chs=embed_dims[i], reduction=to_2tuple(patch_size)[0] * 2 ** i,
+                                  module=f"block{i + 1}") for i in range(num_stages)]
+        init_grad_checkpointing([self], grad_checkpointing, grad_checkpointing_bits)
 
         for i in range(num_stages):
             trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=.02)
@@ -152,6 +166,34 @@ class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
     def no_weight_decay(self):
         return {"cls_token"}
 
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False):
+        """Parameter groups for timm's layer-wise LR decay: the first patch embedding, then one group
+        per block (``coarse``: per stage); the patch embedding and position embedding of stage i > 1
+        join that stage's first block (the class token: the last stage's), the final norm the last
+        block, the head comes last."""
+        last = self.num_stages
+        if coarse:
+            return dict(stem=r"^patch_embed1\.|^pos_embed1$",
+                        blocks=[(r"^(?:block|patch_embed|pos_embed)(\d+)", None), (r"^cls_token", (last,)),
+                                (r"^norm", (99999,))])
+        return dict(stem=r"^patch_embed1\.|^pos_embed1$",
+                    blocks=[(r"^block(\d+)\.(\d+)", None), (r"^(?:patch_embed|pos_embed)(\d+)", (0,)),
+                            (r"^cls_token", (last, 0)), (r"^norm", (99999,))])
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None):
+        """A new (randomly initialised) head for ``num_classes`` classes (0: none); ``global_pool``
+        'token' (class token), 'avg' (mean of the last stage's patch tokens) or '' (none)."""
+        if global_pool is not None:
+            self.global_pool = check_global_pool(global_pool)
+        self.num_classes = num_classes
+        self.head = self._make_head(num_classes)
+        self.head.apply(init_weights)
+
     @staticmethod
     def _get_pos_embed(pos_embed, patch_embed, H, W):
         """(1, h*w, C) of the stage's built grid -> (1, H*W, C) (bilinear when they differ)."""
@@ -161,30 +203,85 @@ class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
         return F.interpolate(pos_embed.reshape(1, gh, gw, -1).permute(0, 3, 1, 2), size=(H, W),
                              mode="bilinear").reshape(1, -1, H * W).permute(0, 2, 1)
 
-    def forward_features(self, x):
-        """(B, 3, H, W) -> the normed class token (B, C_4)."""
+    def _stage(self, i: int, x):
+        """Stage ``i`` (0-based): image or (B, C, H, W) map -> tokens (B, [1 +] H*W, C_i), H, W
+        (the class token leads in the last stage)."""
         B = x.shape[0]
+        patch_embed = getattr(self, f"patch_embed{i + 1}")
+        pos_embed = getattr(self, f"pos_embed{i + 1}")
+        H, W = x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1]
+        x = patch_embed(x)
+        if self._has_cls(i):
+            x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
+            grid = self._get_pos_embed(pos_embed[:, 1:], patch_embed, H, W)
+            pos_embed = torch.cat((pos_embed[:, :1], grid), dim=1)
+        else:
+            pos_embed = self._get_pos_embed(pos_embed, patch_embed, H, W)
+        x = getattr(self, f"pos_drop{i + 1}")(x + pos_embed)
+        for blk in getattr(self, f"block{i + 1}"):
+            x = self.checkpointed(blk, x, H, W)
+        return x, H, W
+
+    def _has_cls(self, i: int) -> bool:
+        return i == self.num_stages - 1 and self.cls_token is not None
+
+    def forward_features(self, x):
+        """(B, 3, H, W) -> the last stage's normed tokens (B, 1 + H/32*W/32, C_4), class token first."""
         for i in range(self.num_stages):
-            patch_embed = getattr(self, f"patch_embed{i + 1}")
-            pos_embed = getattr(self, f"pos_embed{i + 1}")
-            H, W = x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1]
-            x = patch_embed(x)
-            if i == self.num_stages - 1:
-                x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
-                grid = self._get_pos_embed(pos_embed[:, 1:], patch_embed, H, W)
-                pos_embed = torch.cat((pos_embed[:, :1], grid), dim=1)
-            else:
-                pos_embed = self._get_pos_embed(pos_embed, patch_embed, H, W)
-            x = getattr(self, f"pos_drop{i + 1}")(x + pos_embed)
-            for blk in getattr(self, f"block{i + 1}"):
-                x = blk(x, H, W)
-            if i != self.num_stages - 1:
-                x = x.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous()
-        x = self.norm(x)
-        return x[:, 0]
+            x, H, W = self._stage(i, x)
+            if i < self.num_stages - 1:
+                x = tokens_to_nchw(x, H, W)
+        return self.norm(x)
+
+    def forward_head(self, x, pre_logits: bool = False):
+        """Tokens (B, 1 + N, C) -> logits; ``pre_logits``: the pooled features (B, C)."""
+        x = pool_tokens(x, self.global_pool, 1)
+        return x if pre_logits else self.head(x)
 
     def forward(self, x):
-        return self.head(self.forward_features(x))
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x, indices=None, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """timm's ``forward_intermediates``: the stages in ``indices`` (None: all, int n: the last
+        n, a sequence: those) as (B, C_i, H/(4*2^i), W/(4*2^i)) maps (the class token removed);
+        ``norm`` applies the final norm to the last stage's. Returns ``(final, intermediates)``
+        with ``final`` as :meth:`forward_features` gives it (the tokens of the stage it stopped
+        at when ``stop_early``, un-normed), or only the intermediates."""
+        check_output_fmt(output_fmt)
+        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        last = self.num_stages - 1
+        stop = max_index if stop_early else last
+        intermediates = []
+        for i in range(stop + 1):
+            x, H, W = self._stage(i, x)
+            if i in take_indices:
+                y = self.norm(x) if norm and i == last else x
+                intermediates.append(tokens_to_nchw(y[:, 1:] if self._has_cls(i) else y, H, W))
+            if i < stop:
+                x = tokens_to_nchw(x, H, W)
+        if intermediates_only:
+            return intermediates
+        return (self.norm(x) if stop == last else x), intermediates
+
+    def prune_intermediate_layers(self, indices=1, prune_norm: bool = False, prune_head: bool = True):
+        """Drop the stages after the last of ``indices`` (with the class token, final norm and
+        head when that is not the last stage); returns the absolute indices kept."""
+        take_indices, max_index = feature_take_indices(self.num_stages, indices)
+        prune_end = max_index < self.num_stages - 1
+        for i in range(max_index + 1, self.num_stages):
+            for attr in ("patch_embed", "pos_embed", "pos_drop", "block"):
+                delattr(self, f"{attr}{i + 1}")
+        if prune_end:
+            self.num_stages = max_index + 1
+            self.feature_info = self.feature_info[:max_index + 1]
+            self.cls_token = None
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_head or prune_end:
+            self.reset_classifier(0, "")
+        return take_indices
 
     def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
         """``pos_embed{i}`` of another resolution resized (bicubic) to this model's grids; else None."""
@@ -201,8 +298,13 @@ class PyramidVisionTransformer(PyramidHeadMixin, nn.Module):
         return resize_pos_embed(value, getattr(self, f"patch_embed{i}").grid_size, prefix, (side, side))
 
 
+# timm pretrained_cfg. crop_pct 0.875: whai362/PVT's classification code evaluates as DeiT's does
+# (resize int(256 / 224 * 224) = 256, bicubic, center crop 224). forward_features is a token sequence:
+# no pool_size; the input size is free (position embeddings are interpolated).
 _CFG = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875, interpolation="bicubic",
-            first_conv="patch_embed1.proj", classifier="head", input_size=(3, 224, 224))
+            first_conv="patch_embed1.proj", classifier="head", input_size=(3, 224, 224), num_classes=1000,
+            fixed_input_size=False, license="apache-2.0", origin_url="https://github.com/whai362/PVT",
+            paper_ids="arXiv:2102.12122")
 _PVT = "https://github.com/whai362/PVT/releases/download/v2/"
 _ARCH = dict(patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4),
              qkv_bias=True, norm_layer=partial(ms.LayerNorm, eps=1e-6), sr_ratios=(8, 4, 2, 1))

@@ -24,7 +24,7 @@ import torch.nn as nn
 import mesa_ops as ms
 
 __all__ = ["register_model", "create_model", "list_models", "is_model", "apply_policy",
-           "model_entry", "TIMM_PREFIX", "MESA_TAGS"]
+           "model_entry", "registry_name", "TIMM_PREFIX", "MESA_TAGS"]
 
 _log = logging.getLogger("models")
 TIMM_PREFIX = "mesa_"
@@ -38,20 +38,25 @@ class ModelEntry:
     fn: Callable[..., nn.Module]
     family: str
     cfg: dict = field(default_factory=dict)
+    out_indices: int | tuple = (0, 1, 2, 3)
 
 
 _MODELS: dict[str, ModelEntry] = {}
+# timm reads the pretrained cfgs of the entrypoints registered from this module here (keyed by the
+# timm name, ``mesa_<name>``), as it reads each of its own model modules' ``default_cfgs``.
+default_cfgs: dict[str, dict] = {}
 
 
-def register_model(fn=None, *, family: str = "", cfg: dict | None = None):
+def register_model(fn=None, *, family: str = "", cfg: dict | None = None, out_indices=(0, 1, 2, 3)):
     """Decorator registering a model builder ``fn(**kwargs) -> nn.Module`` under ``fn.__name__``
-    (here and, as ``mesa_<name>``, in timm). ``cfg``: timm-style pretrained config (``url``,
-    ``input_size``, ``mean``, ``std``, ``crop_pct``, ...)."""
+    (here and, as ``mesa_<name>``, in timm). ``cfg``: timm ``PretrainedCfg`` fields (``url``,
+    ``input_size``, ``mean``, ``std``, ``crop_pct``, ...); ``out_indices``: the default features
+    of ``features_only=True``."""
     def wrap(f):
         name = f.__name__
         if name in _MODELS and _MODELS[name].fn is not f:
             raise ValueError(f"model {name!r} is already registered (by {_MODELS[name].fn.__module__})")
-        _MODELS[name] = ModelEntry(name, f, family, dict(cfg or {}))
+        _MODELS[name] = ModelEntry(name, f, family, dict(cfg or {}), out_indices)
         _register_with_timm(name)
         return f
     return wrap(fn) if fn is not None else wrap
@@ -80,40 +85,80 @@ def _strip(name: str) -> str:
     return short if name.startswith(TIMM_PREFIX) and short in _MODELS else name
 
 
+def registry_name(name: str) -> str:
+    """This registry's name of a model (``mesa_deit_small_patch16_224`` -> ``deit_small_patch16_224``)."""
+    return _strip(name)
+
+
 def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: dict | None = None,
-                 policy_verbose=None, **kwargs) -> nn.Module:
-    """Build a registered model, load weights, apply a Mesa policy.
+                 policy_verbose=None, pretrained_cfg=None, pretrained_cfg_overlay: dict | None = None,
+                 **kwargs) -> nn.Module:
+    """Build a registered model through timm's ``build_model_with_cfg``, load weights, apply a
+    Mesa policy. ``timm.create_model('mesa_<name>', ...)`` calls this with the same arguments.
 
     Args:
         name: a name from :func:`list_models` (the ``mesa_`` prefix is accepted too).
         pretrained: None/False (random init), True (the official checkpoint's URL), or a path /
             URL of a checkpoint (official, this repo's or the original Mesa code's), loaded by
             :func:`models.checkpoint.load_checkpoint` with ``checkpoint_kwargs``.
-        ms_policy: see the module docstring; applied after loading.
+        ms_policy: see the module docstring; applied after loading (before any ``features_only``
+            wrapping, so policy indices count the whole model's layers).
         policy_verbose: callable for the policy's messages (default: the ``models`` logger).
-        **kwargs: the model's constructor arguments (img_size, num_classes, drop_path_rate, ...).
+        pretrained_cfg, pretrained_cfg_overlay: as in timm (the registered cfg, a tag or a dict;
+            fields to override). ``img_size`` / ``in_chans`` / ``num_classes`` are reflected in
+            ``model.pretrained_cfg`` (``input_size``, ``pool_size``, ``num_classes``).
+        features_only, out_indices, feature_cls: timm's feature extraction: ``features_only=True``
+            wraps the model in timm's ``FeatureGetterNet`` (``forward_intermediates``), returning
+            the ``out_indices`` maps as (B, C, H, W) (default: the last 3 blocks of DeiT, the 4
+            stages of Swin / PVT), with ``feature_info``.
+        **kwargs: the model's constructor arguments (img_size, num_classes, drop_path_rate,
+            global_pool, grad_checkpointing, ...).
     """
+    from timm.models import build_model_with_cfg
+
     from .checkpoint import load_checkpoint
 
     entry = model_entry(name)
-    model = entry.fn(**kwargs)
-    cfg = dict(entry.cfg, architecture=entry.name)
+    if pretrained is True:
+        if not entry.cfg.get("url"):
+            raise ValueError(f"{entry.name} has no official checkpoint URL; pass pretrained=<path>")
+        pretrained = entry.cfg["url"]
+    out_indices = kwargs.pop("out_indices", entry.out_indices)
+    overlay = {**_cfg_overlay(entry.cfg, kwargs), **(pretrained_cfg_overlay or {})}
+
+    def build(**model_kwargs):
+        model = entry.fn(**model_kwargs)
+        if pretrained:
+            load_checkpoint(model, pretrained, **(checkpoint_kwargs or {}))
+        apply_policy(model, ms_policy, verbose=policy_verbose)
+        return model
+
+    # weights are loaded by ``build`` (models.checkpoint reads the official and Mesa formats), not
+    # by timm's loader: pretrained=False here.
+    return build_model_with_cfg(build, TIMM_PREFIX + entry.name, False, pretrained_cfg=pretrained_cfg,
+                                pretrained_cfg_overlay=overlay,
+                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
+
+
+def _cfg_overlay(cfg: dict, kwargs: dict) -> dict:
+    """The pretrained-cfg fields that the constructor arguments change: input size (and with it
+    Swin's ``pool_size``), channels, classes."""
+    overlay = {}
+    c, h, w = cfg.get("input_size", (3, 224, 224))
     if "img_size" in kwargs:
         s = kwargs["img_size"]
-        hw = tuple(s) if isinstance(s, (tuple, list)) else (s, s)
-        cfg["input_size"] = (kwargs.get("in_chans", 3),) + hw
+        h, w = (tuple(s) if isinstance(s, (tuple, list)) else (s, s))
+        pool = cfg.get("pool_size")
+        if pool:
+            h0, w0 = cfg["input_size"][1:]
+            overlay["pool_size"] = (h * pool[0] // h0, w * pool[1] // w0)
+    if "in_chans" in kwargs:
+        c = kwargs["in_chans"]
+    if "img_size" in kwargs or "in_chans" in kwargs:
+        overlay["input_size"] = (c, h, w)
     if "num_classes" in kwargs:
-        cfg["num_classes"] = kwargs["num_classes"]
-    model.pretrained_cfg = cfg
-    model.default_cfg = cfg
-    if pretrained is True:
-        if not cfg.get("url"):
-            raise ValueError(f"{entry.name} has no official checkpoint URL; pass pretrained=<path>")
-        pretrained = cfg["url"]
-    if pretrained:
-        load_checkpoint(model, pretrained, **(checkpoint_kwargs or {}))
-    apply_policy(model, ms_policy, verbose=policy_verbose)
-    return model
+        overlay["num_classes"] = kwargs["num_classes"]
+    return overlay
 
 
 def apply_policy(model: nn.Module, ms_policy, verbose=None) -> nn.Module:
@@ -147,11 +192,13 @@ def _register_with_timm(name: str) -> None:
 
     def entrypoint(pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
                    **kwargs):
-        return create_model(name, pretrained=pretrained or None, **kwargs)
+        return create_model(name, pretrained=pretrained or None, pretrained_cfg=pretrained_cfg,
+                            pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs)
 
     entrypoint.__name__ = entrypoint.__qualname__ = timm_name
     entrypoint.__module__ = __name__
     entrypoint.__doc__ = f"mesa_ops {name} (see models.create_model)."
     entrypoint._mesa_entrypoint = name
     globals()[timm_name] = entrypoint  # timm lists entrypoints in their module's __all__
+    default_cfgs[timm_name] = dict(_MODELS[name].cfg)
     timm.models.register_model(entrypoint)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 
 import mesa_ops as ms
 
@@ -26,6 +25,8 @@ from .layers import (AttentionOps, DropPath, Mlp, PatchEmbed, QuantGroups, build
                      PyramidHeadMixin,
                      to_2tuple, trunc_normal_)
 from .registry import register_model
+from .timm_api import (GradCheckpointing, check_global_pool, check_output_fmt, feature_take_indices,
+                       init_grad_checkpointing, run_block, tokens_to_nchw)
 
 __all__ = ["window_partition", "window_reverse", "WindowAttention", "SwinTransformerBlock", "PatchMerging",
            "BasicLayer", "SwinTransformer"]
@@ -216,7 +217,7 @@ class BasicLayer(nn.Module):
         self.dim = dim
         self.input_resolution = input_resolution
         self.depth = depth
-        self.use_checkpoint = use_checkpoint
+        init_grad_checkpointing([self], use_checkpoint, None)
         self.blocks = nn.ModuleList([
             SwinTransformerBlock(dim, input_resolution, num_heads, window_size,
                                  0 if i % 2 == 0 else window_size // 2, mlp_ratio, qkv_bias, qk_scale, drop,
@@ -232,20 +233,37 @@ class BasicLayer(nn.Module):
         else:
             self.downsample = None
 
-    def forward(self, x):
+    @property
+    def use_checkpoint(self) -> bool:  # the official attribute name
+        return self.grad_checkpointing
+
+    def forward_blocks(self, x):
+        """The stage's blocks (checkpointed when ``grad_checkpointing``): (B, H*W, C) -> same."""
         for blk in self.blocks:
-            if self.use_checkpoint and self.training:
-                x = torch.utils.checkpoint.checkpoint(blk, x, use_reentrant=False)
-            else:
-                x = blk(x)
+            x = run_block(blk, x, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
+        return x
+
+    def forward(self, x):
+        """(B, H*W, C) -> (B, H*W, C), or (B, H/2*W/2, 2C) after ``downsample``."""
+        x = self.forward_blocks(x)
         if self.downsample is not None:
             x = self.downsample(x)
         return x
 
 
-class SwinTransformer(PyramidHeadMixin, nn.Module):
+class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
     """Swin classifier (official constructor arguments, plus the layer classes, ``quant_groups``,
-    ``quant_group_size`` and ``fused_attn`` as in :class:`models.deit.VisionTransformer`)."""
+    ``quant_group_size`` and ``fused_attn`` as in :class:`models.deit.VisionTransformer`).
+
+    timm's model contract (as timm's Swin): ``forward_features`` -> the normed last-stage map
+    (B, H/32, W/32, C), ``output_fmt = 'NHWC'``; ``forward_head(x, pre_logits)`` averages it
+    (``global_pool='avg'``, or '' for none) and classifies; ``forward_intermediates`` /
+    ``feature_info`` give the four stages as NCHW maps (strides 4, 8, 16, 32);
+    ``set_grad_checkpointing(enable, bits)`` checkpoints every block (``use_checkpoint`` is the
+    official constructor name of the same switch).
+    """
+
+    output_fmt = "NHWC"
 
     derived_buffers = ("relative_position_index", "attn_mask")
 
@@ -254,14 +272,16 @@ class SwinTransformer(PyramidHeadMixin, nn.Module):
                  qk_scale=None, drop_rate=0., attn_drop_rate=0., drop_path_rate=0.1, norm_layer=ms.LayerNorm,
                  act_layer=ms.GELU, linear_layer=ms.Linear, conv_layer=ms.Conv2d, matmul_layer=ms.MatMul,
                  softmax_layer=ms.Softmax, ape=False, patch_norm=True, use_checkpoint=False,
-                 quant_groups="heads", quant_group_size=None, fused_attn=True):
+                 quant_groups="heads", quant_group_size=None, fused_attn=True, global_pool="avg",
+                 grad_checkpointing=False, grad_checkpointing_bits=None):
         super().__init__()
         self.num_classes = num_classes
+        self.global_pool = check_global_pool(global_pool, ("avg", ""))
         self.num_layers = len(depths)
         self.embed_dim = embed_dim
         self.ape = ape
         self.patch_norm = patch_norm
-        self.num_features = int(embed_dim * 2 ** (self.num_layers - 1))
+        self.num_features = self.head_hidden_size = int(embed_dim * 2 ** (self.num_layers - 1))
         self.mlp_ratio = mlp_ratio
         self.window_size = window_size
         self.linear_layer = linear_layer
@@ -277,7 +297,7 @@ class SwinTransformer(PyramidHeadMixin, nn.Module):
             trunc_normal_(self.absolute_pos_embed, std=.02)
         self.pos_drop = nn.Dropout(p=drop_rate)
 
-        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, sum(depths))]
+        dpr = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
         self.layers = nn.ModuleList()
         for i in range(self.num_layers):
             self.layers.append(BasicLayer(
@@ -287,34 +307,128 @@ class SwinTransformer(PyramidHeadMixin, nn.Module):
                 linear_layer=linear_layer, matmul_layer=matmul_layer, softmax_layer=softmax_layer,
                 downsample=PatchMerging if i < self.num_layers - 1 else None,
                 qgroups=qg, fused_attn=fused_attn, use_checkpoint=use_checkpoint))
+        self.feature_info = [dict(num_chs=int(embed_dim * 2 ** i), reduction=patch_size * 2 ** i,
+                                  module=f"layers.{i}") for i in range(self.num_layers)]
+        init_grad_checkpointing(self.layers, use_checkpoint or grad_checkpointing, grad_checkpointing_bits)
         self.norm = build_layer(norm_layer, self.num_features,
                                 quant_groups=qg(self.num_features, self.last_heads, "norm"))
-        self.avgpool = nn.AdaptiveAvgPool1d(1)
         self.head = self._make_head(num_classes)
         self.apply(init_weights)
 
+    def _checkpoint_owners(self):
+        return list(self.layers)
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        return any(layer.grad_checkpointing for layer in self.layers)
+
     @torch.jit.ignore
     def no_weight_decay(self):
-        return {"absolute_pos_embed"}
+        """The absolute position embedding and every relative position bias table (full names,
+        as timm's Swin gives them)."""
+        nwd = {n for n, _ in self.named_parameters() if "relative_position_bias_table" in n}
+        return nwd | ({"absolute_pos_embed"} if self.ape else set())
 
     @torch.jit.ignore
     def no_weight_decay_keywords(self):
         return {"relative_position_bias_table"}
 
-    def forward_features(self, x):
-        """(B, 3, H, W) -> pooled features (B, num_features)."""
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False):
+        """Parameter groups for timm's layer-wise LR decay: the patch embedding, one group per block
+        (``coarse``: per stage). The official layout ends stage i with its patch merging
+        (``layers.i.downsample``); it joins the stage's last block (as the official Swin / SimMIM
+        fine-tuning's layer ids do), the final norm joins the last block, the head comes last."""
+        return dict(
+            stem=r"^patch_embed|^absolute_pos_embed",
+            blocks=r"^layers\.(\d+)" if coarse else [
+                (r"^layers\.(\d+)\.downsample", (99999,)),
+                (r"^layers\.(\d+)\.\w+\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ])
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None):
+        """A new (randomly initialised) head for ``num_classes`` classes (0: none); ``global_pool``
+        'avg' or '' (no pooling: ``forward`` returns the (B, H, W, C) map)."""
+        if global_pool is not None:
+            self.global_pool = check_global_pool(global_pool, ("avg", ""))
+        self.num_classes = num_classes
+        self.head = self._make_head(num_classes)
+        self.head.apply(init_weights)
+
+    def _embed(self, x):
         x = self.patch_embed(x)
         if self.ape:
             x = x + self.absolute_pos_embed
-        x = self.pos_drop(x)
+        return self.pos_drop(x)
+
+    def _to_nhwc(self, x, layer):
+        H, W = layer.input_resolution
+        return x.reshape(x.shape[0], H, W, x.shape[-1])
+
+    def forward_features(self, x):
+        """(B, 3, H, W) -> the normed last-stage map (B, H/32, W/32, C) (NHWC, as timm's Swin)."""
+        x = self._embed(x)
         for layer in self.layers:
             x = layer(x)
-        x = self.norm(x)
-        x = self.avgpool(x.transpose(1, 2))
-        return torch.flatten(x, 1)
+        return self._to_nhwc(self.norm(x), self.layers[-1])
+
+    def forward_head(self, x, pre_logits: bool = False):
+        """(B, H, W, C) -> logits; ``pre_logits``: the pooled features (B, C)."""
+        if self.global_pool == "avg":
+            x = x.mean(dim=(1, 2))
+        return x if pre_logits else self.head(x)
 
     def forward(self, x):
-        return self.head(self.forward_features(x))
+        return self.forward_head(self.forward_features(x))
+
+    def forward_intermediates(self, x, indices=None, norm: bool = False, stop_early: bool = False,
+                              output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """timm's ``forward_intermediates``: the stages in ``indices`` (None: all four, int n: the
+        last n, a sequence: those), each the stage's output before its patch merging as
+        (B, C_i, H/(4*2^i), W/(4*2^i)); ``norm`` applies the final norm to the last stage's.
+
+        Returns ``(final, intermediates)`` with ``final`` as :meth:`forward_features` gives it
+        (un-normed when ``stop_early`` ends before the last stage), or only the intermediates.
+        """
+        check_output_fmt(output_fmt)
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        last = len(self.layers) - 1
+        stop = max_index if stop_early else last
+        x = self._embed(x)
+        intermediates = []
+        for i, layer in enumerate(self.layers[:stop + 1]):
+            x = layer.forward_blocks(x)
+            if i in take_indices:
+                y = self.norm(x) if norm and i == last else x
+                intermediates.append(tokens_to_nchw(y, *layer.input_resolution))
+            if i < stop and layer.downsample is not None:
+                x = layer.downsample(x)
+        if intermediates_only:
+            return intermediates
+        if stop == last:
+            x = self.norm(x)
+        return self._to_nhwc(x, self.layers[stop]), intermediates
+
+    def prune_intermediate_layers(self, indices=1, prune_norm: bool = False, prune_head: bool = True):
+        """Keep the stages up to the last of ``indices`` (its patch merging goes, and with it the
+        final norm and head when it is not the last stage); returns the absolute indices."""
+        take_indices, max_index = feature_take_indices(len(self.layers), indices)
+        prune_end = max_index < len(self.layers) - 1
+        self.layers = self.layers[:max_index + 1]
+        self.feature_info = self.feature_info[:max_index + 1]
+        if prune_end:
+            self.layers[-1].downsample = None
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_head or prune_end:
+            self.reset_classifier(0, "")
+        return take_indices
 
     def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
         """A relative position table of another window, resized to this block's; else None."""
@@ -327,35 +441,42 @@ class SwinTransformer(PyramidHeadMixin, nn.Module):
         return None
 
 
+# timm pretrained_cfg: crop_pct 0.9 at 224 px (timm's Swin value), no crop at 384 px (TEST.CROP False in
+# the official config); forward_features is the last stage's (H/32, W/32) map: pool_size.
 _CFG = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.9, interpolation="bicubic",
-            first_conv="patch_embed.proj", classifier="head", input_size=(3, 224, 224))
+            first_conv="patch_embed.proj", classifier="head", input_size=(3, 224, 224), pool_size=(7, 7),
+            num_classes=1000, fixed_input_size=True, license="mit",
+            origin_url="https://github.com/microsoft/Swin-Transformer", paper_ids="arXiv:2103.14030")
 _SWIN = "https://github.com/SwinTransformer/storage/releases/download/v1.0.0/"
+# drop_path_rate: the official ImageNet-1k training configs (configs/swin/*.yaml DROP_PATH_RATE):
+# T 0.2, S 0.3, B 0.5, B-384 fine-tuning 0.5.
 
 
 @register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_tiny_patch4_window7_224.pth"))
 def swin_tiny_patch4_window7_224(**kwargs):
-    """Swin-T, window 7, 224px (28.29M parameters)."""
+    """Swin-T, window 7, 224px (28.29M parameters), drop path 0.2."""
     return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 6, 2),
-                                     num_heads=(3, 6, 12, 24)), **kwargs})
+                                     num_heads=(3, 6, 12, 24), drop_path_rate=0.2), **kwargs})
 
 
 @register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_small_patch4_window7_224.pth"))
 def swin_small_patch4_window7_224(**kwargs):
-    """Swin-S, window 7, 224px (49.61M parameters)."""
+    """Swin-S, window 7, 224px (49.61M parameters), drop path 0.3."""
     return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=96, depths=(2, 2, 18, 2),
-                                     num_heads=(3, 6, 12, 24)), **kwargs})
+                                     num_heads=(3, 6, 12, 24), drop_path_rate=0.3), **kwargs})
 
 
 @register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_base_patch4_window7_224.pth"))
 def swin_base_patch4_window7_224(**kwargs):
-    """Swin-B, window 7, 224px (87.77M parameters)."""
+    """Swin-B, window 7, 224px (87.77M parameters), drop path 0.5."""
     return SwinTransformer(**{**dict(patch_size=4, window_size=7, embed_dim=128, depths=(2, 2, 18, 2),
-                                     num_heads=(4, 8, 16, 32)), **kwargs})
+                                     num_heads=(4, 8, 16, 32), drop_path_rate=0.5), **kwargs})
 
 
 @register_model(family="swin", cfg=dict(_CFG, url=_SWIN + "swin_base_patch4_window12_384.pth",
-                                        input_size=(3, 384, 384), crop_pct=1.0))
+                                        input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0))
 def swin_base_patch4_window12_384(**kwargs):
-    """Swin-B, window 12, 384px (87.90M parameters)."""
+    """Swin-B, window 12, 384px (87.90M parameters), drop path 0.5."""
     return SwinTransformer(**{**dict(img_size=384, patch_size=4, window_size=12, embed_dim=128,
-                                     depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32)), **kwargs})
+                                     depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5),
+                              **kwargs})

@@ -1,0 +1,133 @@
+"""What the DeiT, Swin and PVT models share to follow timm's model contract.
+
+timm's models expose ``forward_features`` (unpooled), ``forward_head(x, pre_logits)``,
+``forward_intermediates`` / ``prune_intermediate_layers`` (used by ``features_only=True`` through
+timm's ``FeatureGetterNet``), ``feature_info``, ``group_matcher`` (layer-wise LR decay),
+``set_grad_checkpointing``, ``no_weight_decay``, ``get_classifier`` / ``reset_classifier``. This
+module holds the pieces the three families have in common:
+
+* :class:`GradCheckpointing`: ``set_grad_checkpointing(enable=True, bits=None)`` and
+  :meth:`GradCheckpointing.checkpointed`, which runs one block either directly, under ordinary
+  non-reentrant ``torch.utils.checkpoint`` (``bits=None``) or under the compressed checkpoint
+  ``mesa_ops.checkpoint.checkpoint_block(block, *args, bits=bits)`` (the block's input stored
+  as a packed low-bit copy).
+* :func:`pool_tokens`: the ``global_pool`` of token models ('token', 'avg', '').
+* :func:`tokens_to_nchw`, :func:`check_output_fmt`, :func:`check_global_pool`.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+from timm.models._features import feature_take_indices
+
+__all__ = ["GradCheckpointing", "run_block", "pool_tokens", "tokens_to_nchw", "check_output_fmt",
+           "check_global_pool", "feature_take_indices"]
+
+
+def run_block(block: nn.Module, *args, enable: bool = False, bits: int | None = None):
+    """``block(*args)``, under activation checkpointing when ``enable`` and autograd records.
+
+    ``bits=None``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (the block's
+    inputs are kept, everything inside is recomputed in backward). ``bits=8/4/2``: the compressed
+    checkpoint of ``mesa_ops.checkpoint.checkpoint_block`` (the inputs kept as a packed copy).
+    """
+    if not enable or not torch.is_grad_enabled() or torch.jit.is_scripting():
+        return block(*args)
+    if bits is None:
+        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+    return _compressed_checkpoint()(block, *args, bits=bits)
+
+
+def _compressed_checkpoint():
+    try:
+        mod = importlib.import_module("mesa_ops.checkpoint")
+    except ModuleNotFoundError as exc:
+        if exc.name != "mesa_ops.checkpoint":
+            raise
+        raise RuntimeError("compressed checkpointing (grad_checkpointing_bits) needs "
+                           "mesa_ops.checkpoint.checkpoint_block, which this installation lacks; "
+                           "use set_grad_checkpointing(True, bits=None) for ordinary checkpointing") from exc
+    return mod.checkpoint_block
+
+
+def _check_bits(bits):
+    if bits is not None and bits not in (2, 4, 8):
+        raise ValueError(f"grad_checkpointing_bits must be None (ordinary checkpointing) or 2, 4, 8; "
+                         f"got {bits!r}")
+    return bits
+
+
+class GradCheckpointing:
+    """``set_grad_checkpointing`` for a model whose blocks run through :meth:`checkpointed`.
+
+    Attributes: ``grad_checkpointing`` (bool), ``grad_checkpointing_bits`` (None: ordinary
+    non-reentrant checkpointing; 8/4/2: the compressed one). Models whose stages hold the flags
+    themselves (Swin) override :meth:`_checkpoint_owners`.
+    """
+
+    grad_checkpointing: bool = False
+    grad_checkpointing_bits: int | None = None
+
+    def _checkpoint_owners(self):
+        return [self]
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True, bits: int | None = None) -> None:
+        """Checkpoint every Transformer block (``enable``); ``bits`` (8/4/2) selects the compressed
+        checkpoint and stays set until changed (``bits=None`` keeps the current choice; pass
+        ``bits=0`` to return to ordinary checkpointing)."""
+        if bits is not None:
+            bits = None if bits == 0 else _check_bits(bits)
+            if bits is not None:
+                _compressed_checkpoint()  # fail now, not in the first forward
+            for owner in self._checkpoint_owners():
+                owner.grad_checkpointing_bits = bits
+        for owner in self._checkpoint_owners():
+            owner.grad_checkpointing = bool(enable)
+
+    def checkpointed(self, block: nn.Module, *args):
+        return run_block(block, *args, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
+
+
+def init_grad_checkpointing(owners, enable: bool, bits: int | None) -> None:
+    """Constructor helper: the initial checkpoint mode of each owner."""
+    bits = _check_bits(bits)
+    for owner in owners:
+        owner.grad_checkpointing = bool(enable)
+        owner.grad_checkpointing_bits = bits
+
+
+TOKEN_POOLS = ("token", "avg", "")
+
+
+def check_global_pool(global_pool, allowed=TOKEN_POOLS) -> str:
+    if global_pool not in allowed:
+        raise ValueError(f"global_pool={global_pool!r}: expected one of {', '.join(map(repr, allowed))}")
+    return global_pool
+
+
+def pool_tokens(x: torch.Tensor, global_pool: str, num_prefix_tokens: int) -> torch.Tensor:
+    """(B, P + N, C) tokens -> (B, C): 'token' the first prefix token, 'avg' the mean of the N
+    patch tokens; '' returns the tokens unchanged."""
+    if global_pool == "token":
+        return x[:, 0]
+    if global_pool == "avg":
+        return x[:, num_prefix_tokens:].mean(dim=1)
+    return x
+
+
+def tokens_to_nchw(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
+    """(B, H*W, C) -> (B, C, H, W)."""
+    B, L, C = x.shape
+    if L != H * W:
+        raise ValueError(f"expected {H * W} tokens ({H}x{W}), got {L}")
+    return x.transpose(1, 2).reshape(B, C, H, W).contiguous()
+
+
+def check_output_fmt(output_fmt: str, allowed=("NCHW",)) -> None:
+    if output_fmt not in allowed:
+        raise ValueError(f"output_fmt={output_fmt!r}: this model returns intermediates as "
+                         f"{' or '.join(allowed)}")

@@ -1,0 +1,376 @@
+"""Every ``mesa_*`` model follows timm's model contract (issue 11), with Mesa off and on.
+
+Reproduces the checks of timm's own ``tests/test_models.py`` (huggingface/pytorch-image-models;
+the file is not in the wheel): ``test_model_forward`` (and grad checkpointing gives the same
+output), ``test_model_backward`` (every parameter gets a gradient, 42 classes),
+``test_model_default_cfgs`` for Swin (NHWC ``forward_features`` matching ``pool_size``) and
+``test_model_default_cfgs_non_std`` for DeiT / PVT (token features), each with ``forward_head(...,
+pre_logits=True)``, ``reset_classifier(0)`` / ``(0, '')`` and ``num_classes=0, global_pool=''``
+at construction, ``test_model_forward_features`` / ``test_model_forward_intermediates_features``
+(``features_only``: ``feature_info`` channels / reductions match the maps) and
+``test_model_forward_intermediates`` (final output == ``forward_features``); plus
+``group_matcher`` with timm's layer-wise LR decay, ``no_weight_decay``, ``pretrained_cfg``
+values, ``prune_intermediate_layers``, and loading a checkpoint into a ``features_only`` model.
+
+Sizes: timm's tests cap the input size (96-384 px) but keep depth and width; here too only the
+input is reduced: DeiT 32 px (2x2 patches), Swin 64 px with window 4 (stages 16/8/4/2 px: shifted
+windows in the first two, one window in the last two), PVT 64 px.
+
+Runtime: the checks that need no forward (cfg, feature_info, group_matcher, drop-path defaults)
+build all 16 models on the meta device. The tests that run models cover by default the smallest
+model of each family: DeiT-Ti (plain and distilled), Swin-T, PVT-Ti; the 12 others (DeiT-S/B,
+Swin-S/B, PVT-S/M/L: the same code at other widths / depths, 2-8 s each to build on this 2-core
+machine) run the same tests under ``-m slow``.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+
+import pytest
+import timm
+import torch
+from timm.models import FeatureInfo, group_parameters
+from timm.optim import create_optimizer_v2, param_groups_layer_decay
+
+import mesa_ops as ms
+import models
+from models.checkpoint import save_checkpoint
+
+ALL = sorted(timm.list_models("mesa_*"))
+FAST = {"mesa_deit_tiny_patch16_224", "mesa_deit_tiny_distilled_patch16_224", "mesa_swin_tiny_patch4_window7_224",
+        "mesa_pvt_tiny"}
+RUN = [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in ALL]
+HAS_CCKPT = importlib.util.find_spec("mesa_ops.checkpoint") is not None
+
+
+def family(name: str) -> str:
+    return models.registry.model_entry(name).family
+
+
+def small(name: str) -> dict:
+    """The reduced input size (see the module docstring); drop path off so that runs compare."""
+    return {"deit": dict(img_size=32), "swin": dict(img_size=64, window_size=4),
+            "pvt": dict(img_size=64)}[family(name)] | dict(drop_path_rate=0.0)
+
+
+def image(model, batch=2):
+    return torch.randn(batch, *model.pretrained_cfg["input_size"])
+
+
+def cat(out):
+    return torch.cat(out) if isinstance(out, tuple) else out
+
+
+def quantizers_ran(model) -> int:
+    return sum(int(float(m.iteration) > 0) for m in model.modules()
+               if isinstance(m, ms.QuantMixin) and m.enable)
+
+
+# ---- no forward needed: all 16 models (meta device) ----------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_pretrained_cfg(name):
+    cfg = timm.models.get_pretrained_cfg(name).to_dict()
+    fam = family(name)
+    assert cfg["architecture"] == name and cfg["num_classes"] == 1000
+    assert cfg["mean"] == timm.data.IMAGENET_DEFAULT_MEAN and cfg["std"] == timm.data.IMAGENET_DEFAULT_STD
+    assert cfg["interpolation"] == "bicubic" and cfg["url"].endswith(".pth")
+    assert cfg["license"] == {"deit": "apache-2.0", "swin": "mit", "pvt": "apache-2.0"}[fam]
+    side = 384 if name.endswith("384") else 224
+    assert cfg["input_size"] == (3, side, side)
+    expected_crop = {"deit": 0.875, "swin": 0.9, "pvt": 0.875}[fam] if side == 224 else 1.0
+    assert cfg["crop_pct"] == expected_crop
+    assert cfg["first_conv"] == ("patch_embed1.proj" if fam == "pvt" else "patch_embed.proj")
+    assert cfg["classifier"] == (("head", "head_dist") if "distilled" in name else "head")
+    assert cfg.get("pool_size") == ((side // 32,) * 2 if fam == "swin" else None)
+    assert cfg["fixed_input_size"] is (fam != "pvt")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_structure_feature_info_group_matcher(name):
+    """feature_info, head / first-conv names, no_weight_decay, group_matcher and timm's layer-wise
+    LR decay groups, Swin's official drop-path defaults (issue 12, item 8)."""
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    fam = family(name)
+    params = dict(model.named_parameters())
+    sd = model.state_dict()
+    cfg = model.pretrained_cfg
+    for key in (cfg["classifier"] if isinstance(cfg["classifier"], tuple) else (cfg["classifier"],)):
+        assert key + ".weight" in sd
+    assert cfg["first_conv"] + ".weight" in sd
+    assert model.num_classes == 1000 and model.num_features == model.head_hidden_size > 0
+    info = FeatureInfo(model.feature_info, len(model.feature_info))
+    if fam == "deit":
+        depth, patch = len(model.blocks), model.patch_embed.patch_size[0]
+        assert info.channels() == [model.embed_dim] * depth and info.reduction() == [patch] * depth
+        assert info.module_name() == [f"blocks.{i}" for i in range(depth)]
+        n_blocks = depth
+    elif fam == "swin":
+        c = model.embed_dim
+        assert info.channels() == [c, 2 * c, 4 * c, 8 * c] and info.reduction() == [4, 8, 16, 32]
+        n_blocks = sum(len(layer.blocks) for layer in model.layers)
+        rate = {"tiny": 0.2, "small": 0.3, "base": 0.5}[name.split("_")[2]]
+        probs = [b.drop_path.drop_prob for layer in model.layers for b in layer.blocks[1:]]
+        assert max(probs) == pytest.approx(rate), f"{name}: drop-path rate {max(probs)}, official {rate}"
+    else:
+        assert info.channels() == [64, 128, 320, 512] and info.reduction() == [4, 8, 16, 32]
+        n_blocks = sum(len(getattr(model, f"block{i}")) for i in range(1, 5))
+    assert set(model.no_weight_decay()) <= set(params) | {"dist_token"}
+    # layer-wise LR decay: stem, one group per block, head; every parameter placed
+    layer_of = group_parameters(model, model.group_matcher(), reverse=True)
+    assert set(layer_of) == set(params)
+    assert max(layer_of.values()) + 1 == n_blocks + 2
+    stem = "pos_embed1" if fam == "pvt" else "patch_embed.proj.weight"
+    assert layer_of[stem] == 0 and layer_of["head.weight"] == n_blocks + 1
+    assert layer_of["norm.weight"] == n_blocks  # with the last block, as timm does
+    coarse = group_parameters(model, model.group_matcher(coarse=True), reverse=True)
+    assert max(coarse.values()) + 1 < max(layer_of.values()) + 1 or fam == "deit"
+    groups = param_groups_layer_decay(model, weight_decay=0.05, no_weight_decay_list=model.no_weight_decay(),
+                                      layer_decay=0.75)
+    scales = {g["lr_scale"] for g in groups}
+    assert max(scales) == 1.0 and min(scales) == pytest.approx(0.75 ** (n_blocks + 1))
+    grouped = [p for g in groups for p in g["params"]]
+    assert len(grouped) == len(params)
+
+
+# ---- forward: timm's test_model_forward / default_cfgs / forward_intermediates ---------------------
+@pytest.mark.parametrize("name", RUN)
+def test_forward_default_cfgs_intermediates(name):
+    """timm's test_model_forward, test_model_default_cfgs(_non_std) and
+    test_model_forward_intermediates, Mesa off (eval: Mesa acts only in training)."""
+    model = timm.create_model(name, **small(name)).eval()
+    fam = family(name)
+    x = image(model, batch=1)
+    with torch.no_grad():
+        out = model(x)
+        assert out.shape == (1, 1000) and not torch.isnan(out).any()
+        feats = model.forward_features(x)
+        pre = model.forward_head(feats, pre_logits=True)
+        assert torch.equal(model.forward_head(feats), out)
+        assert pre.shape == (1, model.head_hidden_size)
+        if fam == "swin":  # standard model: NHWC map of pool_size
+            assert model.output_fmt == "NHWC"
+            assert feats.shape == (1, *model.pretrained_cfg["pool_size"], model.num_features)
+        else:  # token model (non-std in timm's tests)
+            assert feats.dim() == 3 and feats.shape[-1] == model.num_features
+
+        # forward_intermediates: one map per feature_info entry, final == forward_features
+        info = FeatureInfo(model.feature_info, len(model.feature_info))
+        final, inter = model.forward_intermediates(x, output_fmt="NCHW")
+        assert len(inter) == len(info.channels()) and torch.equal(final, feats)
+        H, W = x.shape[-2:]
+        for c, r, o in zip(info.channels(), info.reduction(), inter):
+            assert o.shape[:2] == (1, c) and not torch.isnan(o).any()
+            assert o.shape[2] <= math.ceil(H / r) + 1 and o.shape[3] <= math.ceil(W / r) + 1
+        # indices / norm / stop_early as timm's ViT / Swin
+        last2 = model.forward_intermediates(x, indices=2, intermediates_only=True)
+        assert len(last2) == 2 and all(torch.equal(a, b) for a, b in zip(last2, inter[-2:]))
+        first = model.forward_intermediates(x, indices=[0], stop_early=True, intermediates_only=True)
+        assert torch.equal(first[0], inter[0])
+        normed = model.forward_intermediates(x, indices=[-1], norm=True, intermediates_only=True)[0]
+        if fam == "deit":  # the final norm applied to the last block's tokens
+            assert torch.equal(normed.flatten(2).transpose(1, 2), feats[:, model.num_prefix_tokens:])
+        elif fam == "swin":
+            assert torch.equal(normed, feats.permute(0, 3, 1, 2))
+        else:
+            assert torch.equal(normed.flatten(2).transpose(1, 2), feats[:, 1:])
+
+        # grad checkpointing does not change the output (timm's test_model_forward)
+        model.set_grad_checkpointing()
+        assert torch.allclose(model(x), out, rtol=1e-4, atol=1e-5)
+        with torch.enable_grad():
+            ck = model.forward_intermediates(x)[0]
+        assert torch.allclose(ck, final, rtol=1e-4, atol=1e-5)
+        model.set_grad_checkpointing(False)
+
+        # classifier removed: pooled features (B, head_hidden_size) == pre_logits
+        model.reset_classifier(0)
+        assert model.num_classes == 0
+        assert torch.equal(model(x), pre)
+        model.reset_classifier(0, "")
+        unpooled = model(x)
+        assert torch.equal(unpooled, feats)
+        assert unpooled.dim() == (4 if fam == "swin" else 3)
+    # classifier and pooling removed at construction
+    bare = timm.create_model(name, num_classes=0, global_pool="", **small(name)).eval()
+    assert bare.num_classes == 0 and bare.pretrained_cfg["num_classes"] == 0
+    with torch.no_grad():
+        assert bare(x).shape == feats.shape
+    for bad in (dict(global_pool="max"),):
+        with pytest.raises(ValueError, match="global_pool='max'"):
+            timm.create_model(name, **bad, **small(name))
+    with pytest.raises(ValueError, match="output_fmt='NHWC'"):
+        model.forward_intermediates(x, output_fmt="NHWC")
+
+
+# ---- backward: timm's test_model_backward, Mesa on and off --------------------------------------
+@pytest.mark.parametrize("name", RUN)
+def test_backward_mesa_on_and_off(name):
+    """timm's test_model_backward (42 classes, batch 2, train): every parameter gets a gradient;
+    Mesa switched on by ``timm.create_model(..., ms_policy='mesa8')`` and off by ``set_mesa``;
+    the forwards agree (Mesa computes exactly; its attention path and the exact fused SDPA differ
+    by float rounding only)."""
+    model = timm.create_model(name, num_classes=42, ms_policy="mesa8", **small(name)).train()
+    n_params = sum(p.numel() for p in model.parameters())
+    x = image(model)
+    outs = {}
+    for mesa in (True, False):
+        ms.policy.set_mesa(model, enable=mesa)
+        model.zero_grad(set_to_none=True)
+        out = cat(model(x))
+        out.mean().backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"{name} (mesa={mesa}): no gradient for {missing[:5]}"
+        assert sum(p.grad.numel() for p in model.parameters()) == n_params
+        assert out.shape[-1] == 42 and not torch.isnan(out).any()
+        outs[mesa] = out.detach()
+        if mesa:
+            assert quantizers_ran(model) > 0
+    assert torch.allclose(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+
+
+# ---- features_only: timm's test_model_forward_features / _intermediates_features ---------------------
+@pytest.mark.parametrize("name", RUN)
+def test_features_only(name):
+    """``features_only=True`` (timm's FeatureGetterNet over forward_intermediates): default
+    out_indices and a pruned ``out_indices``; channels / reductions match the NCHW maps, which are
+    the full model's intermediates; with Mesa on (train) the pruned extractor trains and
+    compresses."""
+    fam = family(name)
+    full = timm.create_model(name, **small(name)).eval()
+    x = image(full, batch=1)
+    with torch.no_grad():
+        ref = full.forward_intermediates(x, intermediates_only=True)
+    feat = timm.create_model(name, features_only=True, **small(name)).eval()
+    feat.model.load_state_dict(full.state_dict(), strict=False)  # pruned: a subset of the keys
+    default = 3 if fam == "deit" else 4
+    channels, reduction = feat.feature_info.channels(), feat.feature_info.reduction()
+    assert len(channels) == default and feat.pretrained_cfg["input_size"] == full.pretrained_cfg["input_size"]
+    with torch.no_grad():
+        outs = feat(x)
+    assert len(outs) == default
+    H, W = x.shape[-2:]
+    for c, r, o, want in zip(channels, reduction, outs, ref[-default:]):
+        assert o.shape[1] == c and o.shape[0] == 1 and not torch.isnan(o).any()
+        assert o.shape[2] <= math.ceil(H / r) + 1 and o.shape[3] <= math.ceil(W / r) + 1
+        assert torch.equal(o, want)
+
+    # a pruned extractor (stages / blocks after the last index dropped), Mesa on, training
+    idx = (1, 2) if fam != "deit" else (1, 4)
+    pruned = timm.create_model(name, features_only=True, out_indices=idx, ms_policy="mesa8", **small(name))
+    pruned.model.load_state_dict(full.state_dict(), strict=False)
+    assert [i["num_chs"] for i in pruned.feature_info.get_dicts()] == [full.feature_info[i]["num_chs"]
+                                                                       for i in idx]
+    if fam == "swin":
+        assert len(pruned.model.layers) == 3 and pruned.model.layers[2].downsample is None
+    elif fam == "pvt":
+        assert pruned.model.num_stages == 3 and not hasattr(pruned.model, "block4")
+    else:
+        assert len(pruned.model.blocks) == 5
+    pruned.train()
+    outs = pruned(x)
+    for o, i in zip(outs, idx):  # Mesa's forward is exact (its attention path: float rounding apart)
+        assert torch.allclose(o.detach(), ref[i], rtol=1e-5, atol=1e-5)
+    sum(o.float().pow(2).mean() for o in outs).backward()
+    assert all(p.grad is not None for p in pruned.parameters())
+    assert quantizers_ran(pruned) > 0
+
+
+def test_checkpoint_into_features_only(tmp_path):
+    """A checkpoint of this repo's format (with quantizer state) loads into a ``features_only``
+    model through ``pretrained=<path>`` (weights loaded before the extractor prunes the model)."""
+    src = timm.create_model("mesa_swin_tiny_patch4_window7_224", **small("mesa_swin_tiny_patch4_window7_224"))
+    path = tmp_path / "swin.pth"
+    save_checkpoint(src, path)
+    feat = timm.create_model("mesa_swin_tiny_patch4_window7_224", pretrained=str(path), features_only=True,
+                             out_indices=(0, 1), **small("mesa_swin_tiny_patch4_window7_224")).eval()
+    x = image(src, batch=1)
+    with torch.no_grad():
+        want = src.eval().forward_intermediates(x, indices=[0, 1], intermediates_only=True)
+        got = feat(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# ---- grad checkpointing: plain and compressed, Mesa off and on --------------------------------------
+CKPT_MODELS = ["mesa_deit_tiny_distilled_patch16_224", "mesa_swin_tiny_patch4_window7_224", "mesa_pvt_tiny"]
+
+
+@contextlib.contextmanager
+def mesa_disabled(model):
+    """Every quantizer off for the block, its previous state restored after."""
+    qs = [m for m in model.modules() if isinstance(m, ms.QuantMixin)]
+    before = [q.enable for q in qs]
+    for q in qs:
+        q.enable = False
+    try:
+        yield
+    finally:
+        for q, e in zip(qs, before):
+            q.enable = e
+
+
+@pytest.mark.parametrize("bits", [None, pytest.param(8, marks=pytest.mark.skipif(
+    not HAS_CCKPT, reason="mesa_ops.checkpoint (compressed checkpointing) is not in this tree"))])
+@pytest.mark.parametrize("mesa", [False, True])
+@pytest.mark.parametrize("name", CKPT_MODELS)
+def test_grad_checkpointing(name, mesa, bits):
+    """set_grad_checkpointing(True[, bits]) in training: the same forward; gradients equal to the
+    exact step's (plain checkpointing, Mesa off: 1e-5 relative L2) or within quantization noise
+    of it (Mesa on or the 8-bit compressed checkpoint: <= 0.25 relative L2; measured 0.01-0.13 on
+    these tiny inputs, Mesa alone 0.01-0.04); fewer bytes saved for backward than the
+    un-checkpointed step in the same Mesa setting."""
+    model = timm.create_model(name, ms_policy="mesa8" if mesa else None, **small(name)).train()
+    x = image(model)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with ms.SavedActivationMeter(model, exclude=(x,)) as meter:
+            out = cat(model(x))
+        out.float().pow(2).mean().backward()
+        return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), meter.total_bytes
+
+    with mesa_disabled(model):
+        out_exact, g_exact, _ = step()
+    out0, _, bytes0 = step()
+    model.set_grad_checkpointing(True, bits=bits)
+    assert model.grad_checkpointing
+    out1, g1, bytes1 = step()
+    assert torch.allclose(out1, out0, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out1, out_exact, rtol=1e-5, atol=1e-5)
+    err = float((g1 - g_exact).norm() / g_exact.norm())
+    assert err <= (1e-5 if not mesa and bits is None else 0.25), f"relative gradient error {err:.2e}"
+    assert bytes1 < 0.6 * bytes0, f"checkpointed {bytes1} B vs {bytes0} B"
+    model.set_grad_checkpointing(False)
+    assert not model.grad_checkpointing
+
+
+def test_checkpointing_arguments():
+    m = timm.create_model("mesa_deit_tiny_patch16_224", img_size=32, grad_checkpointing=True)
+    assert m.grad_checkpointing and m.grad_checkpointing_bits is None
+    s = timm.create_model("mesa_swin_tiny_patch4_window7_224", use_checkpoint=True, **small(
+        "mesa_swin_tiny_patch4_window7_224"))
+    assert all(layer.grad_checkpointing for layer in s.layers) and s.layers[0].use_checkpoint
+    with pytest.raises(ValueError, match="grad_checkpointing_bits must be None"):
+        m.set_grad_checkpointing(True, bits=3)
+    if not HAS_CCKPT:
+        with pytest.raises(RuntimeError, match="mesa_ops.checkpoint"):
+            m.set_grad_checkpointing(True, bits=8)
+
+
+def test_layer_decay_optimizer():
+    """timm's optimizer factory with layer_decay uses the model's group_matcher: the patch
+    embedding gets the smallest LR scale, the head 1.0; weight decay skips no_weight_decay()."""
+    model = timm.create_model("mesa_swin_tiny_patch4_window7_224", **small("mesa_swin_tiny_patch4_window7_224"))
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.8)
+    scale_of = {id(p): (g["lr_scale"], g["weight_decay"]) for g in opt.param_groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    n_layers = sum(len(layer.blocks) for layer in model.layers) + 2
+    assert scale_of[id(params["patch_embed.proj.weight"])] == (pytest.approx(0.8 ** (n_layers - 1)), 0.05)
+    assert scale_of[id(params["head.weight"])] == (1.0, 0.05)
+    rpb = "layers.0.blocks.0.attn.relative_position_bias_table"
+    assert scale_of[id(params[rpb])][1] == 0.0  # no_weight_decay
+    # the patch merging of stage 0 shares the layer of stage 0's last block
+    assert scale_of[id(params["layers.0.downsample.reduction.weight"])][0] == \
+        scale_of[id(params["layers.0.blocks.1.mlp.fc1.weight"])][0]
