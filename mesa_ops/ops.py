@@ -9,7 +9,7 @@ compiles without graph breaks while the packed bytes stay those of the kernels i
     update of Mesa (Pan et al., arXiv 2111.11124, Sec. 3.3) in place, optionally with the
     per-group min/max all-reduced across ranks first; returns rows inv, step, shift, finite.
     Non-finite activations raise (``nonfinite='raise'``) or warn once (``'skip'``) here.
-  * ``mesa::quantize(x, inv, shift, draws!, salt, bits, groups, inner, stochastic, advance)``
+  * ``mesa::quantize(x, inv, shift, draws!, name, bits, groups, inner, stochastic, advance)``
     -> uint8 codes: the stochastic-rounding seed (:func:`make_seed`) hashes torch's generator
     state without drawing from it, so a run draws the same torch random numbers with Mesa on or
     off, and the layer's salt and draw counter (resumed from its ``iteration``).
@@ -131,21 +131,22 @@ def _(x, clip_val, shift, iteration, groups, inner, decay, batch_mode, bits, upd
 
 @torch.library.custom_op("mesa::quantize", mutates_args=("draws",))
 def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draws: torch.Tensor,
-             salt: int, bits: int, groups: int, inner: int, stochastic: bool,
+             name: str, bits: int, groups: int, inner: int, stochastic: bool,
              advance: bool) -> torch.Tensor:
     """Contiguous ``x`` -> packed uint8 codes (ceil(numel * bits / 8),). ``draws`` is the
-    quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``)."""
+    quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``); ``name`` (the
+    layer's) salts its seed."""
     seed = 0
     if stochastic:
         n = int(draws[0])
-        seed = make_seed(salt, n)
+        seed = make_seed(zlib.crc32(name.encode()), n)
         if advance:
             draws[0] = n + 1
     return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
 
 
 @quantize.register_fake
-def _(x, inv, shift, draws, salt, bits, groups, inner, stochastic, advance):
+def _(x, inv, shift, draws, name, bits, groups, inner, stochastic, advance):
     per = 8 // bits
     return x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8)
 

@@ -29,7 +29,6 @@ import functools
 import logging
 import math
 import threading
-import zlib
 from typing import NamedTuple
 
 import torch
@@ -391,8 +390,8 @@ class QuantMixin:
                                   self.range_mode == "batch", self.bits, update, mode, name,
                                   bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
-        packed = ops.quantize(xs, inv, sh, self._draws, zlib.crc32(name.encode()), self.bits, g,
-                              inner, bool(self.stochastic), update)
+        packed = ops.quantize(xs, inv, sh, self._draws, name, self.bits, g, inner,
+                              bool(self.stochastic), update)
         return QTensor(packed, step, sh, shape, dtype, self.bits, g, inner, transposed)
 
 
@@ -404,7 +403,7 @@ def pack_mask(mask_source: torch.Tensor) -> QTensor:
     x, transposed = _memory_view(mask_source.detach())
     one = torch.ones(1, device=x.device)
     zero = torch.zeros(1, device=x.device)
-    packed = ops.quantize(x, one, zero, _NO_DRAWS, 0, 1, 1, x.numel() or 1, False, False)
+    packed = ops.quantize(x, one, zero, _NO_DRAWS, "", 1, 1, x.numel() or 1, False, False)
     return QTensor(packed, one, zero, mask_source.shape, mask_source.dtype, 1, 1, x.numel() or 1,
                    transposed)
 

@@ -59,8 +59,8 @@ class _BatchNorm(torch.autograd.Function):
         y, save_mean, save_var, reserve, impl = torch._batch_norm_impl_index(
             xc, w, b, running_mean, running_var, True, momentum, eps,
             torch.backends.cudnn.enabled)
-        save_for_backward(ctx, quant.quantize(xc, amp16), w, running_mean, running_var, save_mean,
-                          save_var, reserve)
+        # training-mode backward reads the batch statistics only, not the running ones
+        save_for_backward(ctx, quant.quantize(xc, amp16), w, save_mean, save_var, reserve)
         ctx.mesa_name = quant.describe()
         ctx.impl, ctx.eps, ctx.x_dtype, ctx.cdt = impl, eps, x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
@@ -69,10 +69,10 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        xh, w, rm, rv, save_mean, save_var, reserve = saved_tensors(ctx)
+        xh, w, save_mean, save_var, reserve = saved_tensors(ctx)
         need = ctx.needs_input_grad
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
-            ctx.impl, xh, gy.to(ctx.cdt).contiguous(), w, rm, rv, save_mean, save_var, True,
+            ctx.impl, xh, gy.to(ctx.cdt).contiguous(), w, None, None, save_mean, save_var, True,
             ctx.eps, [need[0], w is not None and need[1], w is not None and need[2]], reserve)
         release(xh)
         gx = gx.to(ctx.x_dtype) if gx is not None else None
