@@ -8,6 +8,6 @@ cd "$ROOT" && mkdir -p outputs
 .venv/bin/python tools/benchmark_ops.py --steps 10 --json outputs/bench_ops_cpu.json
 exec .venv/bin/python tools/benchmark.py --device cpu \
   --model deit_tiny_patch16_224 deit_small_patch16_224 swin_tiny_patch4_window7_224 pvt_tiny \
-  --modes exact,exact-explicit,mesa8,mesa4,mesa2,ckpt,mesa8+ckpt --batch-size "${BATCH:-4}" --input-size 224 \
+  --modes exact,exact-explicit,mesa8,mesa8-explicit,mesa4,ckpt,mesa8+cckpt --batch-size "${BATCH:-4}" --input-size 224 \
   --precision fp32 --steps "${STEPS:-3}" --warmup 1 \
   --json outputs/bench_cpu.json --csv outputs/bench_cpu.csv --plot outputs/bench_cpu.png "$@"

@@ -8,6 +8,6 @@ bash "$ROOT/scripts/setup_env.sh"
 cd "$ROOT" && mkdir -p outputs
 exec .venv/bin/python tools/benchmark.py --device cuda \
   --model deit_tiny_patch16_224 deit_small_patch16_224 swin_tiny_patch4_window7_224 pvt_tiny \
-  --modes exact,exact-explicit,mesa8,mesa4,ckpt,mesa8+ckpt --batch-size "${BATCH:-128}" --input-size 224 \
+  --modes exact,exact-explicit,mesa8,mesa8-explicit,mesa4,ckpt,mesa8+cckpt --batch-size "${BATCH:-128}" --input-size 224 \
   --precision fp16 --steps "${STEPS:-10}" --warmup 3 \
   --json outputs/bench_gpu.json --csv outputs/bench_gpu.csv --plot outputs/bench_gpu.png "$@"

@@ -261,3 +261,37 @@ def test_single_quantizer_policy_compresses(name, sub, tmp_path):
     kind = "Softmax" if tag == "softmax" else "MatMul"
     assert on.total_bytes < off.total_bytes, (on.total_bytes, off.total_bytes)
     assert on.by_type[kind] < off.by_type[kind], (kind, on.by_type[kind], off.by_type[kind])
+
+
+# ---- CUDA (scripts/cuda_check.sh runs these on a GPU) ------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_sdpa_forward_exact_and_gradient_error(name, dtype):
+    """On CUDA: flash (fp16 / bf16, no mask), memory-efficient (fp32, masks; a bias gradient
+    from its backward) or math, as F.scaled_dot_product_attention chooses; the forward equals
+    it bit for bit, gradients within the 8-bit bound (fp32) or 2e-2 (half precision)."""
+    tensors, has_bias, wm, scale = _case(name)
+    tensors = [t.detach().to("cuda", dtype).requires_grad_(t.requires_grad) for t in tensors]
+    wm = None if wm is None else wm.to("cuda", dtype)
+    sdpa = ms.SDPA(quant_groups=tensors[0].shape[1], enable=True).train()
+    y0, g0 = _run(lambda q, k, v, b=None: exact_sdpa(q, k, v, b, wm, scale), tensors,
+                  gy := torch.randn(tensors[0].shape, device="cuda", dtype=dtype))
+    y1, g1 = _run(lambda q, k, v, b=None: sdpa(q, k, v, attn_mask=b, scale=scale, window_mask=wm),
+                  tensors, gy)
+    assert torch.equal(y1, y0)
+    bound = 1e-2 if dtype == torch.float32 else 2e-2
+    for a, b in zip(g1, g0):
+        assert a.dtype == b.dtype and rel_err(a, b) <= bound, (name, dtype, rel_err(a, b))
+
+
+@pytest.mark.cuda
+def test_cuda_model_fused_mesa_autocast_fp16():
+    torch.manual_seed(0)
+    model = models.create_model("deit_tiny_patch16_224", ms_policy="mesa8").cuda().train()
+    x = torch.randn(4, 3, 224, 224, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        y = model(x)
+    assert all(a.attention_path() == "mesa-sdpa" for a in model.modules() if isinstance(a, AttentionOps))
+    y.float().pow(2).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -28,7 +28,7 @@ from ..quant import QTensor, attach_saved, once_differentiable, release, save_fo
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
-MATH, FLASH, EFFICIENT = 0, 1, 2
+MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,6 +90,17 @@ def _unpack(item, heads: int):
     return head_layout(item, heads) if item.dim() == 3 else item
 
 
+def _mem_eff_mask(am, q, k):
+    """The mask as F.scaled_dot_product_attention hands it to the memory-efficient kernel: rows
+    padded to an aligned stride (values unchanged), expanded to (B, H, N, M)."""
+    if am is None:
+        return None
+    m = am.shape[-1]
+    if any(s % 16 for s in am.stride()[:-1]):
+        am = torch.nn.functional.pad(am, (0, -m % 16))[..., :m]
+    return am.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
     """The backend ``F.scaled_dot_product_attention`` picks for these inputs (grad mode as now)."""
     if q.dim() != 4:
@@ -114,7 +125,7 @@ class _SDPA(torch.autograd.Function):
             ctx.max_qk = (max_q, max_k)
         elif choice == EFFICIENT:
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                qc, kc, vc, am, True, 0.0, False, scale=scale)
+                qc, kc, vc, _mem_eff_mask(am, qc, kc), True, 0.0, False, scale=scale)
             extra = (seed, offset)
         elif choice == MATH:
             out = aten._scaled_dot_product_attention_math(
@@ -122,8 +133,8 @@ class _SDPA(torch.autograd.Function):
                 False, None, scale=scale)[0].reshape(B, H, N, D)
             lse = None
         else:
-            raise NotImplementedError(f"mesa SDPA: backend {choice} (cuDNN / overrideable) is not "
-                                      "supported; disable it with torch.nn.attention.sdpa_kernel")
+            raise NotImplementedError(f"mesa SDPA: SDPA backend {choice} (overrideable) is not "
+                                      "supported; choose another with torch.nn.attention.sdpa_kernel")
         qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
         save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
                           _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
@@ -157,8 +168,8 @@ class _SDPA(torch.autograd.Function):
             seed, offset = extra
             need_bias = bias is not None and ctx.needs_input_grad[3]
             gq, gk, gv, gb = aten._scaled_dot_product_efficient_attention_backward(
-                g, qh, kh, vh, am, oh, lse, seed, offset, 0.0, [True, True, True, need_bias], False,
-                scale=scale)
+                g, qh, kh, vh, _mem_eff_mask(am, qh, kh), oh, lse, seed, offset, 0.0,
+                [True, True, True, need_bias], False, scale=scale)
             if need_bias:
                 gbias = gb.sum_to_size(bias.shape)
         else:
@@ -197,6 +208,9 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     else:
         am = build_mask(bias, None, q.shape[0], cdt)
         choice = sdp_choice(q.to(cdt), k.to(cdt), v.to(cdt), am, 0.0, scale)
+        if choice == CUDNN:  # not wrapped here: the flash / memory-efficient kernel instead (same
+            # math, not necessarily the same bits as F.scaled_dot_product_attention's cuDNN kernel)
+            choice = FLASH if am is None and cdt in (torch.float16, torch.bfloat16) else EFFICIENT
     amp16 = fp16_autocast(q)  # read before autocast is switched off
     with no_autocast(q):
         y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16)
