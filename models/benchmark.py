@@ -6,7 +6,8 @@ baseline); ``mesa8``/``mesa4``/``mesa2`` (Mesa on fc, gelu, layernorm and attent
 fused ``ms.SDPA``); ``mesa8-explicit`` (the paper's Mesa: q@k, softmax, attn@v compressed as
 separate ops); ``ckpt`` (``torch.utils.checkpoint``, non-reentrant, around each top-level
 Transformer block); ``mesa8+ckpt``; ``mesa8+cckpt`` (Mesa 8-bit with compressed checkpointing:
-each block keeps its input at 8 bits, :mod:`mesa_ops.checkpoint`). For each (model, mode) one worker process builds the model, runs ``warmup +
+each block keeps its input at 8 bits, :mod:`mesa_ops.checkpoint`). For each (model, mode) one
+worker process builds the model, runs ``warmup +
 steps`` train steps (forward, loss, backward, SGD step) and reports:
 
 * ``saved_bytes``: bytes autograd holds for backward after one forward (unique storages,

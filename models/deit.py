@@ -35,14 +35,14 @@ class Block(nn.Module):
     def __init__(self, dim, num_heads, mlp_ratio=4., qkv_bias=False, qk_scale=None, drop=0., attn_drop=0.,
                  drop_path=0., act_layer=ms.GELU, norm_layer=ms.LayerNorm, linear_layer=ms.Linear,
                  matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
-                 fused_attn: bool = True):
+                 fused_attn: bool = True, attn_impl: str = "fused"):
         super().__init__()
         init_prenorm_block(
             self, dim, num_heads,
             lambda: Attention(dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
                               attn_drop=attn_drop, proj_drop=drop, linear_layer=linear_layer,
                               matmul_layer=matmul_layer, softmax_layer=softmax_layer,
-                              qgroups=qgroups, fused_attn=fused_attn),
+                              qgroups=qgroups, fused_attn=fused_attn, attn_impl=attn_impl),
             mlp_ratio, drop, drop_path, act_layer, norm_layer, linear_layer, qgroups)
 
     def forward(self, x):
@@ -68,6 +68,8 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         quant_groups, quant_group_size: Mesa groups of Linear / LayerNorm / GELU (see
             :class:`models.layers.QuantGroups`); attention always quantizes head-wise.
         fused_attn: use ``F.scaled_dot_product_attention`` while Mesa does not compress attention.
+        attn_impl: with Mesa on, 'fused' (default) compresses attention as ms.SDPA (q, k, v, out
+            stored packed, no N x N matrix); 'explicit' as q@k, softmax, attn@v (the paper).
         global_pool: 'token' (class token, the default), 'avg' or ''.
         grad_checkpointing, grad_checkpointing_bits: initial :meth:`set_grad_checkpointing` mode.
     """
@@ -77,6 +79,7 @@ class VisionTransformer(GradCheckpointing, nn.Module):
                  drop_path_rate=0., distilled=False, norm_layer=partial(ms.LayerNorm, eps=1e-6),
                  act_layer=ms.GELU, linear_layer=ms.Linear, conv_layer=ms.Conv2d, matmul_layer=ms.MatMul,
                  softmax_layer=ms.Softmax, quant_groups="heads", quant_group_size=None, fused_attn=True,
+                 attn_impl="fused",
                  global_pool="token", grad_checkpointing=False, grad_checkpointing_bits=None):
         super().__init__()
         self.num_classes = num_classes
@@ -99,7 +102,8 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         self.blocks = nn.ModuleList([
             Block(embed_dim, num_heads, mlp_ratio, qkv_bias, qk_scale, drop_rate, attn_drop_rate, dpr[i],
                   act_layer=act_layer, norm_layer=norm_layer, linear_layer=linear_layer,
-                  matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qg, fused_attn=fused_attn)
+                  matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qg, fused_attn=fused_attn,
+                  attn_impl=attn_impl)
             for i in range(depth)])
         self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim,
                                   reduction=self.patch_embed.patch_size[0]) for i in range(depth)]

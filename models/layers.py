@@ -23,7 +23,9 @@ from timm.layers import DropPath, to_2tuple, trunc_normal_
 import mesa_ops as ms
 from mesa_ops.attention import exact_sdpa, token_layout
 
-__all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "init_prenorm_block", "accepts_kwarg", "Mlp", "AttentionOps", "Attention",
+__all__ = ["QuantGroups", "build_layer", "make_head", "PyramidHeadMixin", "init_prenorm_block",
+           "accepts_kwarg",
+           "Mlp", "AttentionOps", "Attention",
            "ATTN_IMPLS", "compresses", "set_attn_impl",
            "PatchEmbed", "DropPath", "to_2tuple", "trunc_normal_", "init_weights"]
 

@@ -37,7 +37,7 @@ class SRAttention(AttentionOps):
     def __init__(self, dim, num_heads=8, qkv_bias=False, qk_scale=None, attn_drop=0., proj_drop=0.,
                  sr_ratio=1, linear_layer=ms.Linear, conv_layer=ms.Conv2d, sr_norm_layer=ms.LayerNorm,
                  matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
-                 fused_attn: bool = True):
+                 fused_attn: bool = True, attn_impl: str = "fused"):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
@@ -52,7 +52,7 @@ class SRAttention(AttentionOps):
             self.sr = build_layer(conv_layer, dim, dim, kernel_size=sr_ratio, stride=sr_ratio, quant_groups=g)
             self.norm = build_layer(sr_norm_layer, dim, quant_groups=g)
         self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop, matmul_layer,
-                                softmax_layer, fused_attn)
+                                softmax_layer, fused_attn, attn_impl)
 
     def forward(self, x, H, W):
         B, N, C = x.shape
@@ -79,14 +79,15 @@ class Block(nn.Module):
                  drop_path=0., act_layer=ms.GELU, norm_layer=ms.LayerNorm, sr_ratio=1,
                  linear_layer=ms.Linear, conv_layer=ms.Conv2d, sr_norm_layer=ms.LayerNorm,
                  matmul_layer=ms.MatMul, softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(),
-                 fused_attn: bool = True):
+                 fused_attn: bool = True, attn_impl: str = "fused"):
         super().__init__()
         init_prenorm_block(
             self, dim, num_heads,
             lambda: SRAttention(dim, num_heads, qkv_bias, qk_scale, attn_drop, drop, sr_ratio,
                                 linear_layer=linear_layer, conv_layer=conv_layer,
                                 sr_norm_layer=sr_norm_layer, matmul_layer=matmul_layer,
-                                softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn),
+                                softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn,
+                                attn_impl=attn_impl),
             mlp_ratio, drop, drop_path, act_layer, norm_layer, linear_layer, qgroups)
 
     def forward(self, x, H, W):
@@ -115,6 +116,7 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                  sr_ratios=(8, 4, 2, 1), num_stages=4, act_layer=ms.GELU, linear_layer=ms.Linear,
                  conv_layer=ms.Conv2d, sr_norm_layer=ms.LayerNorm, matmul_layer=ms.MatMul,
                  softmax_layer=ms.Softmax, quant_groups="heads", quant_group_size=None, fused_attn=True,
+                 attn_impl="fused",
                  global_pool="token", grad_checkpointing=False, grad_checkpointing_bits=None):
         super().__init__()
         self.num_classes = num_classes
@@ -146,7 +148,7 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                       attn_drop_rate, dpr[cur + j], act_layer=act_layer, norm_layer=norm_layer,
                       sr_ratio=sr_ratios[i], linear_layer=linear_layer, conv_layer=conv_layer,
                       sr_norm_layer=sr_norm_layer, matmul_layer=matmul_layer, softmax_layer=softmax_layer,
-                      qgroups=qg, fused_attn=fused_attn)
+                      qgroups=qg, fused_attn=fused_attn, attn_impl=attn_impl)
                 for j in range(depths[i])]))
             cur += depths[i]
         self.norm = build_layer(norm_layer, self.num_features,

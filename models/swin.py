@@ -63,7 +63,7 @@ class WindowAttention(AttentionOps):
 
     def __init__(self, dim, window_size, num_heads, qkv_bias=True, qk_scale=None, attn_drop=0., proj_drop=0.,
                  linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
-                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True, attn_impl: str = "fused"):
         super().__init__()
         self.dim = dim
         self.window_size = window_size
@@ -75,7 +75,7 @@ class WindowAttention(AttentionOps):
         self.proj = build_layer(linear_layer, dim, dim, quant_groups=qgroups(dim, num_heads, "attn.proj"))
         self.proj_drop = nn.Dropout(proj_drop)
         self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop, matmul_layer,
-                                softmax_layer, fused_attn)
+                                softmax_layer, fused_attn, attn_impl)
         trunc_normal_(self.relative_position_bias_table, std=.02)
 
     def relative_position_bias(self):
@@ -104,7 +104,8 @@ class SwinTransformerBlock(nn.Module):
     def __init__(self, dim, input_resolution, num_heads, window_size=7, shift_size=0, mlp_ratio=4.,
                  qkv_bias=True, qk_scale=None, drop=0., attn_drop=0., drop_path=0., act_layer=ms.GELU,
                  norm_layer=ms.LayerNorm, linear_layer=ms.Linear, matmul_layer=ms.MatMul,
-                 softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True):
+                 softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True,
+                 attn_impl: str = "fused"):
         super().__init__()
         self.dim = dim
         self.input_resolution = input_resolution
@@ -126,7 +127,8 @@ class SwinTransformerBlock(nn.Module):
         self.norm1 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm1"))
         self.attn = WindowAttention(dim, to_2tuple(self.window_size), num_heads, qkv_bias, qk_scale,
                                     attn_drop, drop, linear_layer=linear_layer, matmul_layer=matmul_layer,
-                                    softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn)
+                                    softmax_layer=softmax_layer, qgroups=qgroups, fused_attn=fused_attn,
+                                    attn_impl=attn_impl)
         self.drop_path = DropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = build_layer(norm_layer, dim, quant_groups=qgroups(dim, num_heads, "norm2"))
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, linear_layer=linear_layer, drop=drop,
@@ -212,7 +214,8 @@ class BasicLayer(nn.Module):
                  qk_scale=None, drop=0., attn_drop=0., drop_path=0., norm_layer=ms.LayerNorm,
                  act_layer=ms.GELU, linear_layer=ms.Linear, matmul_layer=ms.MatMul, softmax_layer=ms.Softmax,
                  downsample=None,
-                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True, use_checkpoint: bool = False):
+                 qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True, attn_impl: str = "fused",
+                 use_checkpoint: bool = False):
         super().__init__()
         self.dim = dim
         self.input_resolution = input_resolution
@@ -225,7 +228,7 @@ class BasicLayer(nn.Module):
                                  else drop_path,
                                  act_layer=act_layer, norm_layer=norm_layer, linear_layer=linear_layer,
                                  matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
-                                 fused_attn=fused_attn)
+                                 fused_attn=fused_attn, attn_impl=attn_impl)
             for i in range(depth)])
         if downsample is not None:
             self.downsample = downsample(input_resolution, dim=dim, norm_layer=norm_layer,
@@ -272,7 +275,8 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                  qk_scale=None, drop_rate=0., attn_drop_rate=0., drop_path_rate=0.1, norm_layer=ms.LayerNorm,
                  act_layer=ms.GELU, linear_layer=ms.Linear, conv_layer=ms.Conv2d, matmul_layer=ms.MatMul,
                  softmax_layer=ms.Softmax, ape=False, patch_norm=True, use_checkpoint=False,
-                 quant_groups="heads", quant_group_size=None, fused_attn=True, global_pool="avg",
+                 quant_groups="heads", quant_group_size=None, fused_attn=True, attn_impl="fused",
+                 global_pool="avg",
                  grad_checkpointing=False, grad_checkpointing_bits=None):
         super().__init__()
         self.num_classes = num_classes
@@ -306,7 +310,7 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                 dpr[sum(depths[:i]):sum(depths[:i + 1])], norm_layer=norm_layer, act_layer=act_layer,
                 linear_layer=linear_layer, matmul_layer=matmul_layer, softmax_layer=softmax_layer,
                 downsample=PatchMerging if i < self.num_layers - 1 else None,
-                qgroups=qg, fused_attn=fused_attn, use_checkpoint=use_checkpoint))
+                qgroups=qg, fused_attn=fused_attn, attn_impl=attn_impl, use_checkpoint=use_checkpoint))
         self.feature_info = [dict(num_chs=int(embed_dim * 2 ** i), reduction=patch_size * 2 ** i,
                                   module=f"layers.{i}") for i in range(self.num_layers)]
         init_grad_checkpointing(self.layers, use_checkpoint or grad_checkpointing, grad_checkpointing_bits)

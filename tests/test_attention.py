@@ -229,7 +229,8 @@ def test_checkpoints_load_across_attn_impl(tmp_path):
 
 
 # ---- issue 12 item 2: per-quantizer policies -------------------------------------------------
-SMALL = {"deit_tiny_patch16_224": dict(img_size=32), "swin_tiny_patch4_window7_224": dict(img_size=64, window_size=4),
+SMALL = {"deit_tiny_patch16_224": dict(img_size=32),
+         "swin_tiny_patch4_window7_224": dict(img_size=64, window_size=4),
          "pvt_tiny": dict(img_size=64)}
 
 
