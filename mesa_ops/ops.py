@@ -1,9 +1,11 @@
 """Mesa's kernels as ``torch.library`` custom ops (namespace ``mesa``), with fake implementations.
 
-Every quantization goes through these ops, in eager mode and under ``torch.compile``: they are
-opaque to the compiler (their fake implementations give shapes and dtypes), so a Mesa layer
-compiles without graph breaks while the packed bytes stay those of the kernels in ``cuda/``
-(chosen per tensor by :func:`mesa_ops.backend.get_backend`).
+Every quantization goes through :func:`range_update`, :func:`quantize` and :func:`dequantize`:
+while ``torch.compile`` traces they call the registered ops, opaque to the compiler (their fake
+implementations give shapes and dtypes), so a Mesa layer compiles without graph breaks while the
+packed bytes stay those of the kernels in ``cuda/`` (chosen per tensor by
+:func:`mesa_ops.backend.get_backend`); in eager mode they call the same implementations
+directly (no dispatcher overhead).
 
   * ``mesa::range_update(x, clip_val!, shift!, iteration!, ...) -> (4, G)``: the running-range
     update of Mesa (Pan et al., arXiv 2111.11124, Sec. 3.3) in place, optionally with the
@@ -40,9 +42,9 @@ def _splitmix64(z: int) -> int:
 
 
 def torch_fingerprint() -> int:
-    """A 63-bit fingerprint of torch's default (CPU) generator state, read without drawing."""
-    b = torch.default_generator.get_state().numpy().tobytes()
-    return ((zlib.crc32(b) << 31) ^ zlib.adler32(b)) & ((1 << 63) - 1)
+    """A 32-bit fingerprint (CRC-32) of torch's default (CPU) generator state, read without
+    drawing from it."""
+    return zlib.crc32(torch.default_generator.get_state().numpy())
 
 
 def make_seed(salt: int, count: int) -> int:
@@ -87,8 +89,7 @@ def _synced_minmax(be, x, groups, inner):
     return torch.stack([-v[0], v[1]])
 
 
-@torch.library.custom_op("mesa::range_update", mutates_args=("clip_val", "shift", "iteration"))
-def range_update(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Tensor,
+def _range_update_impl(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Tensor,
                  iteration: torch.Tensor, groups: int, inner: int, decay: float, batch_mode: bool,
                  bits: int, update: bool, nonfinite: str, name: str, sync: bool) -> torch.Tensor:
     """Running-range update in place; returns (4, G): inv, step, shift, finite (1/0)."""
@@ -123,14 +124,17 @@ def _nonfinite(mode: str, name: str, shape) -> None:
                   RuntimeWarning, stacklevel=2)
 
 
-@range_update.register_fake
+_range_update_op = torch.library.custom_op("mesa::range_update", _range_update_impl,
+                                           mutates_args=("clip_val", "shift", "iteration"))
+
+
+@_range_update_op.register_fake
 def _(x, clip_val, shift, iteration, groups, inner, decay, batch_mode, bits, update, nonfinite,
       name, sync):
     return x.new_empty((4, groups), dtype=torch.float32)
 
 
-@torch.library.custom_op("mesa::quantize", mutates_args=("draws",))
-def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draws: torch.Tensor,
+def _quantize_impl(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draws: torch.Tensor,
              name: str, bits: int, groups: int, inner: int, stochastic: bool,
              advance: bool) -> torch.Tensor:
     """Contiguous ``x`` -> packed uint8 codes (ceil(numel * bits / 8),). ``draws`` is the
@@ -145,19 +149,41 @@ def quantize(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draws: tor
     return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
 
 
-@quantize.register_fake
+_quantize_op = torch.library.custom_op("mesa::quantize", _quantize_impl, mutates_args=("draws",))
+
+
+@_quantize_op.register_fake
 def _(x, inv, shift, draws, name, bits, groups, inner, stochastic, advance):
     per = 8 // bits
     return x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8)
 
 
-@torch.library.custom_op("mesa::dequantize", mutates_args=())
-def dequantize(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
+def _dequantize_impl(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
                groups: int, inner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Packed codes -> flat (numel,) tensor of ``dtype``: code * step + shift per group."""
     return get_backend(packed).dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
 
 
-@dequantize.register_fake
+_dequantize_op = torch.library.custom_op("mesa::dequantize", _dequantize_impl, mutates_args=())
+
+
+@_dequantize_op.register_fake
 def _(packed, step, shift, bits, groups, inner, numel, dtype):
     return packed.new_empty((numel,), dtype=dtype)
+
+
+# Eager mode calls the implementations directly (the custom-op dispatch costs ~0.1 ms a call in
+# Python); while torch.compile traces, the registered ops (opaque, with fake implementations).
+def range_update(*args) -> torch.Tensor:
+    """``mesa::range_update`` (see :func:`_range_update_impl`)."""
+    return (_range_update_op if torch.compiler.is_compiling() else _range_update_impl)(*args)
+
+
+def quantize(*args) -> torch.Tensor:
+    """``mesa::quantize`` (see :func:`_quantize_impl`)."""
+    return (_quantize_op if torch.compiler.is_compiling() else _quantize_impl)(*args)
+
+
+def dequantize(*args) -> torch.Tensor:
+    """``mesa::dequantize`` (see :func:`_dequantize_impl`)."""
+    return (_dequantize_op if torch.compiler.is_compiling() else _dequantize_impl)(*args)
