@@ -415,14 +415,14 @@ def _greedy(prof: Profile, scale: float, budget: int, cap: int | None):
         st.apply(best[1])
 
 
-def make_plan(prof: Profile, budget: int, batch_size: int) -> Plan:
+def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool = True) -> Plan:
     """The configuration within ``budget`` bytes (saved activations at ``batch_size``) with the
     least error proxy, then the least extra time (see the module docstring). The recomputation
     transient is handled by trying each cap on the checkpointable blocks' own bytes (none, and
-    each distinct block size) and keeping the best plan."""
+    each distinct block size) and keeping the best plan. ``checkpointing=False``: bits only."""
     scale = batch_size / prof.probe_batch
     probe = _State(prof, scale)
-    caps = [None] + sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks})
+    caps = [None] + (sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks}) if checkpointing else [])
     found = []
     for cap in caps:
         st = _greedy(prof, scale, budget, cap)

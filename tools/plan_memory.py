@@ -33,6 +33,7 @@ def main(argv=None):
                     help="batch at which the planned configuration is measured (default: --batch-size; "
                          "bytes are scaled linearly when smaller)")
     ap.add_argument("--out", default=None, help="write the policy file here (and <out>.json)")
+    ap.add_argument("--no-checkpoint", action="store_true", help="choose bits only (no block checkpointing)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -41,7 +42,8 @@ def main(argv=None):
     probe = torch.randn(args.probe_batch or min(args.batch_size, 2), 3, s, s)
     prof = P.measure(model, probe)
     try:
-        plan = P.make_plan(prof, int(args.budget_gb * 1e9), args.batch_size)
+        plan = P.make_plan(prof, int(args.budget_gb * 1e9), args.batch_size,
+                           checkpointing=not args.no_checkpoint)
     except P.PlanError as exc:
         print(f"plan_memory: {exc}", file=sys.stderr)
         sys.exit(2)
