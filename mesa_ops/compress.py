@@ -151,7 +151,8 @@ class _SDPAToMesa(TorchFunctionMode):
             return self._attend(*args, **kwargs)
         out = func(*args, **kwargs)
         m = self.merged
-        if m is not None and args and any(args[0] is h for h in self.handed) and isinstance(out, torch.Tensor):
+        mine = m is not None and args and any(args[0] is h for h in self.handed)
+        if mine and isinstance(out, torch.Tensor):
             if out.shape == m.shape and out.data_ptr() == m.data_ptr() and out.stride() == m.stride():
                 return m  # x.transpose(1, 2).reshape(B, N, C): the tensor carrying the packed copy
             if out.data_ptr() == m.data_ptr():
@@ -220,8 +221,9 @@ def _mesa_attention_class(cls: type) -> type:
     """A subclass of ``cls`` with :class:`MesaAttentionMixin` first (cached per class)."""
     if cls not in _SUBCLASSES:
         _SUBCLASSES[cls] = type(f"Mesa{cls.__name__}", (MesaAttentionMixin, cls),
-                                {"__module__": __name__, "_mesa_base": _qualname(cls), "__doc__": f"{cls.__qualname__} with a "
-                                 "Mesa attention core (mesa_ops.compress)."})
+                                {"__module__": __name__, "_mesa_base": _qualname(cls),
+                                 "__doc__": f"{cls.__qualname__} with a Mesa attention core "
+                                            "(mesa_ops.compress)."})
     return _SUBCLASSES[cls]
 
 

@@ -197,7 +197,8 @@ def _unit_error(model: nn.Module, unit: Unit, captured: dict, bits: int) -> floa
         if isinstance(m, SDPA):
             for qn, t in zip(QUANTIZERS, (args[0], args[1], args[2], out)):
                 if isinstance(t, torch.Tensor):
-                    t4 = t if t.dim() == 4 else t.view(t.shape[0], t.shape[1], m.quant_groups, -1).transpose(1, 2)
+                    t4 = t if t.dim() == 4 else \
+                        t.view(t.shape[0], t.shape[1], m.quant_groups, -1).transpose(1, 2)
                     flat = t4.transpose(1, 2).reshape(t4.shape[0], t4.shape[2], -1)  # (B, L, H*D)
                     errs.append(_rel(flat, _roundtrip(getattr(m, qn), flat, bits)))
         elif isinstance(m, L.MatMul):
@@ -310,7 +311,8 @@ def _numel_saved(m, cap) -> int:
         return 0
     args, out = cap
     if isinstance(m, SDPA):
-        return sum(a.numel() for a in args[:3] if isinstance(a, torch.Tensor)) + (out.numel() if out is not None else 0)
+        qkv = sum(a.numel() for a in args[:3] if isinstance(a, torch.Tensor))
+        return qkv + (out.numel() if out is not None else 0)
     if isinstance(m, L.Softmax):
         return out.numel() if out is not None else 0
     return sum(a.numel() for a in args if isinstance(a, torch.Tensor))
@@ -375,7 +377,8 @@ class _State:
                 inner = self.units_of[name]
                 yield (("ckpt", name, "exact"), (self.own_bytes(name) - blk.in_bytes) * self.s,
                        -sum(u.err[self.bits[u.name]] ** 2 for u in inner),
-                       (blk.fwd_time - sum(p.alpha * u.elements for u in inner if self.bits[u.name])) * self.s)
+                       (blk.fwd_time - sum(p.alpha * u.elements for u in inner if self.bits[u.name]))
+                       * self.s)
             elif mode == "exact" and p.packed_ckpt:
                 yield (("ckpt", name, "packed8"), (blk.in_bytes - _packed_bytes(blk)) * self.s,
                        blk.in_err8 ** 2, 0.0)
@@ -422,7 +425,8 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
     each distinct block size) and keeping the best plan. ``checkpointing=False``: bits only."""
     scale = batch_size / prof.probe_batch
     probe = _State(prof, scale)
-    caps = [None] + (sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks}) if checkpointing else [])
+    sizes = sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks})
+    caps = [None] + (sizes if checkpointing else [])
     found = []
     for cap in caps:
         st = _greedy(prof, scale, budget, cap)
@@ -600,7 +604,8 @@ def summary(plan: Plan, prof: Profile, header: str = "") -> str:
              f"{prof.step_time * plan.batch_size / prof.probe_batch:.2f} s)"]
     if m:
         lines.append(f"measured: saved {format_bytes(m['saved_bytes'])}"
-                     + (f" (at batch {m['measured_batch']}, scaled x{plan.batch_size / m['measured_batch']:g})"
+                     + (f" (at batch {m['measured_batch']}, "
+                        f"scaled x{plan.batch_size / m['measured_batch']:g})"
                         if m.get("scaled") else "")
                      + (f", relative gradient error vs exact {m['grad_rel_error']:.4f}"
                         if "grad_rel_error" in m else ""))

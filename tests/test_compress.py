@@ -137,6 +137,7 @@ def test_build_model_resolves_repo_and_timm_names():
 
     own = build_model("deit_tiny_patch16_224", "mesa8", img_size=32, depth=1)
     assert type(own).__module__.startswith("models.")
+    assert ms.compress(own, "mesa8", return_report=True, warn=False)[1].unsupported == []
     theirs = build_model("timm:deit_tiny_patch16_224", "mesa8", img_size=32, depth=1)
     assert type(theirs).__module__.startswith("timm.")
     assert any(isinstance(m, MesaAttentionMixin) for m in theirs.modules())

@@ -23,7 +23,8 @@ def main(argv=None):
     ap.add_argument("--input-size", type=int, default=224)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--policy", default="mesa8")
-    ap.add_argument("--pairs", nargs="*", default=None, help="timm:ours pairs, e.g. vit_small_patch16_224:deit_small_patch16_224")
+    ap.add_argument("--pairs", nargs="*", default=None, 
+                    help="timm:ours pairs, e.g. vit_small_patch16_224:deit_small_patch16_224")
     args = ap.parse_args(argv)
     pairs = [tuple(p.split(":")) for p in args.pairs] if args.pairs else PAIRS
     torch.manual_seed(0)

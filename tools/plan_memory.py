@@ -27,7 +27,8 @@ def main(argv=None):
     ap.add_argument("--model", required=True, help="this repo's model, a timm model, or timm:<name>")
     ap.add_argument("--input-size", type=int, default=224)
     ap.add_argument("--batch-size", type=int, required=True)
-    ap.add_argument("--budget-gb", type=float, required=True, help="saved-activation budget, 1 GB = 1e9 bytes")
+    ap.add_argument("--budget-gb", type=float, required=True, 
+                    help="saved-activation budget, 1 GB = 1e9 bytes")
     ap.add_argument("--probe-batch", type=int, default=None, help="batch measured (default: min(batch, 2))")
     ap.add_argument("--verify-batch", type=int, default=None,
                     help="batch at which the planned configuration is measured (default: --batch-size; "
