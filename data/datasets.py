@@ -31,14 +31,11 @@ DATASETS = {
 }
 _ALIASES = {"CIFAR": "CIFAR100", "IMAGENET": "IMNET"}
 
-IMNET_LAYOUT = """expected ImageNet as an ImageFolder:
-  {root}/train/n01440764/*.JPEG ... (1000 class folders)
-  {root}/val/n01440764/*.JPEG ...   (the same class folders)"""
-CIFAR_LAYOUT = """expected torchvision's CIFAR-100 files (never downloaded here):
-  {root}/cifar-100-python/meta
-  {root}/cifar-100-python/train
-  {root}/cifar-100-python/test
-(extract https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into {root})"""
+IMNET_LAYOUT = ("expected ImageNet as an ImageFolder: {root}/train/n01440764/*.JPEG ... and "
+                "{root}/val/n01440764/*.JPEG ... (1000 class folders each)")
+CIFAR_LAYOUT = ("expected torchvision's CIFAR-100 files {root}/cifar-100-python/meta, "
+                "{root}/cifar-100-python/train and {root}/cifar-100-python/test (extract "
+                "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into {root}; nothing is downloaded)")
 
 
 def canonical_name(name: str) -> str:
@@ -116,8 +113,8 @@ def _imagenet(root: str, is_train: bool, transform):
 def _cifar100(root: str, is_train: bool, transform):
     try:
         return datasets.CIFAR100(root, train=is_train, transform=transform, download=False)
-    except (RuntimeError, OSError, ValueError) as exc:
-        raise DatasetError(f"CIFAR-100 not found or corrupted under {root} ({exc}); "
+    except (RuntimeError, OSError, ValueError) as exc:  # torchvision: "Dataset not found or corrupted..."
+        raise DatasetError(f"CIFAR-100 not found or corrupted under {root}; "
                            + CIFAR_LAYOUT.format(root=root)) from exc
 
 

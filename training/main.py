@@ -189,9 +189,11 @@ def _run(args, dist_info) -> dict:
     if args.resume:
         obj = ckpt.read_checkpoint(args.resume)
         try:
-            report = models.load_checkpoint(model_without_ddp, obj, verbose=log)
+            report = models.load_checkpoint(model_without_ddp, obj, verbose=lambda *_: None)
         except models.CheckpointError as exc:
             raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
+        report.source = args.resume
+        log(report.summary())
         if not args.eval and isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
             optimizer.load_state_dict(obj["optimizer"])
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
