@@ -35,7 +35,8 @@ IMNET_LAYOUT = ("expected ImageNet as an ImageFolder: {root}/train/n01440764/*.J
                 "{root}/val/n01440764/*.JPEG ... (1000 class folders each)")
 CIFAR_LAYOUT = ("expected torchvision's CIFAR-100 files {root}/cifar-100-python/meta, "
                 "{root}/cifar-100-python/train and {root}/cifar-100-python/test (extract "
-                "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into {root}; nothing is downloaded)")
+                "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz into {root}; "
+                "nothing is downloaded)")
 
 
 def canonical_name(name: str) -> str:
