@@ -85,13 +85,13 @@ def test_url_and_ddp_prefix(tmp_path, monkeypatch):
 def test_this_repo_checkpoint_roundtrip(tmp_path):
     model = models.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4, ms_policy="mesa8")
     train_step(model, torch.randn(2, 3, 64, 64))
-    q = model.layers[0].blocks[0].attn.mm1.quant1
+    q = model.layers[0].blocks[0].attn.sdpa.quant_q  # mesa8: attention through the Mesa SDPA
     assert float(q.iteration) == 1 and not torch.equal(q.clip_val, torch.ones_like(q.clip_val))
     path = tmp_path / "ours.pth"
     models.save_checkpoint(model, path, extra={"epoch": 3})
     obj = torch.load(path, weights_only=True)  # plain types only
     assert obj["epoch"] == 3 and obj["meta"]["architecture"] == "swin_tiny_patch4_window7_224"
-    assert obj["meta"]["mesa"]["layers.0.blocks.0.attn.mm1"] == {"enable": True, "bits": 8}
+    assert obj["meta"]["mesa"]["layers.0.blocks.0.attn.sdpa"] == {"enable": True, "bits": 8}
     fresh = models.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4)
     report = models.load_checkpoint(fresh, path, verbose=quiet)
     assert report.format == "mesa-repro" and not report.missing_quantizer_keys
@@ -133,8 +133,11 @@ def test_original_mesa_checkpoint(tmp_path):
     dst = models.create_model("deit_tiny_patch16_224", img_size=32, ms_policy="mesa8")
     report = models.load_checkpoint(dst, path, verbose=quiet)  # weights_only=True, Namespace allowed
     assert report.format == "mesa"
-    assert report.missing_quantizer_keys == ["patch_embed.proj.clip_val", "patch_embed.proj.iteration",
-                                             "patch_embed.proj.shift"]
+    # the original code has no quantizer on the patch embedding and no fused-attention SDPA module
+    sdpa = [k for k in report.missing_quantizer_keys if ".attn.sdpa." in k]
+    assert len(sdpa) == 12 * 4 * 3  # blocks x (q, k, v, out) x (clip_val, shift, iteration)
+    assert sorted(set(report.missing_quantizer_keys) - set(sdpa)) == [
+        "patch_embed.proj.clip_val", "patch_embed.proj.iteration", "patch_embed.proj.shift"]
     assert torch.equal(dst.blocks[3].attn.softmax.quant2.clip_val,
                        sd["blocks.3.attn.softmax.quant2.clip_val"])
     assert torch.equal(dst.blocks[0].mlp.act.shift, sd["blocks.0.mlp.act.shift"])

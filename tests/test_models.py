@@ -240,8 +240,8 @@ def test_plain_nn_layers():
     mesa = models.create_model("deit_tiny_patch16_224", img_size=32)
     assert not any(isinstance(m, (ms.Linear, ms.LayerNorm, ms.GELU, ms.Conv2d)) for m in plain.modules())
     report = models.load_checkpoint(plain, official_state_dict(mesa))
-    # what is left of Mesa: the attention's MatMul / Softmax modules (plain unless passed too)
-    assert report.missing_quantizer_keys and all(".attn.mm" in k or ".attn.softmax" in k
+    # what is left of Mesa: the attention's MatMul / Softmax / SDPA modules (plain unless passed too)
+    assert report.missing_quantizer_keys and all(".attn.mm" in k or ".attn.softmax" in k or ".attn.sdpa." in k
                                                  for k in report.missing_quantizer_keys)
     x = torch.randn(2, 3, 32, 32)
     mesa.eval(), plain.eval()
