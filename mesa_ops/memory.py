@@ -7,6 +7,10 @@ attributes each storage to the innermost module running when it was first saved,
     with SavedActivationMeter(model) as meter:
         loss = model(x).sum()
     meter.total_bytes, meter.by_type   # e.g. {'Linear': 1.2e6, 'GELU': 4.1e5, ...}
+
+Under ``torch.compile`` run one step before measuring (the hooks must not be active while dynamo
+traces, or it traces them too); the meter then counts what the compiled graph saves, all of it
+attributed to the compiled module.
 """
 from __future__ import annotations
 

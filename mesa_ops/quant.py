@@ -239,7 +239,7 @@ class QuantMixin:
         self.register_buffer("iteration", torch.zeros(1))
         # stochastic-rounding draws so far (a CPU tensor outside the state dict, resumed from
         # ``iteration`` on load): part of each seed, see ops.make_seed
-        self._draws = torch.zeros(1, dtype=torch.int64)
+        self._draws = torch.zeros(1, dtype=torch.int64, device="cpu")
         self.enable = bool(enable)
         self.bits = bits
         self.ema_decay = 0.9
