@@ -120,14 +120,6 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _unique_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def _setup(cfg: Config):
     """(model, checkpoint wrappers, input batch, one train step) of a configuration."""
     if cfg.threads:
