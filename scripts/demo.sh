@@ -16,7 +16,7 @@ OUT="${OUT:-outputs/demo}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 ARGS=(--model deit_tiny_patch16_224 --model-kwargs patch_size=8 depth=2 embed_dim=64 num_heads=2
       --data-set DIGITS --input-size 32 --batch-size 32 --epochs "${EPOCHS:-30}"
-      --unscale-lr --lr 5e-3 --warmup-epochs 1 --sched-on-updates --min-lr 1e-5
+      --unscale-lr --lr 3e-3 --warmup-epochs 3 --clip-grad 1.0 --sched-on-updates --min-lr 1e-5
       --aa none --color-jitter 0 --reprob 0 --mixup 0 --cutmix 0 --drop-path 0 --no-model-ema
       --num-workers 0 --device cpu --seed 0 --tqdm)
 rm -rf "$OUT/exact" "$OUT/mesa8"
