@@ -7,8 +7,38 @@ does.
 """
 from __future__ import annotations
 
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+from PIL import Image
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, auto_augment, create_transform
 from torchvision import transforms
+
+
+def _posterize(img, bits_to_keep, **_):
+    """timm's ``posterize`` as it behaved with Pillow < 11: keeping 0 bits gives a black image.
+
+    DeiT's ``rand-m9-mstd0.5-inc1`` draws magnitudes up to 10, where ``PosterizeIncreasing`` keeps
+    0 bits; Pillow >= 11 raises ``ValueError`` for that, which would stop a training run at random."""
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return auto_augment.posterize(img, bits_to_keep)
+
+
+def _augment_ops(t):
+    """The timm ``AugmentOp`` objects inside a transform (RandAugment, AutoAugment, AugMix)."""
+    for op in getattr(t, "transforms", ()):
+        yield from _augment_ops(op)
+    for attr in ("ops", "policy"):
+        for item in getattr(t, attr, ()) or ():
+            for op in (item if isinstance(item, (list, tuple)) else (item,)):
+                if isinstance(op, auto_augment.AugmentOp):
+                    yield op
+
+
+def fix_posterize(t):
+    """Route every posterize op of ``t`` through :func:`_posterize` (in place); returns ``t``."""
+    for op in _augment_ops(t):
+        if op.aug_fn is auto_augment.posterize:
+            op.aug_fn = _posterize
+    return t
 
 
 def build_transform(is_train: bool, args, hflip: float = 0.5, crop_padding: int = 4):
@@ -30,7 +60,7 @@ def build_transform(is_train: bool, args, hflip: float = 0.5, crop_padding: int 
                 t.transforms[0] = transforms.RandomCrop(size, padding=crop_padding)
             else:
                 t.transforms[0] = transforms.CenterCrop(size)
-        return t
+        return fix_posterize(t)
     ops = []
     if resize_im:
         ops += [transforms.Resize(int(size / args.eval_crop_ratio),

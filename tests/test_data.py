@@ -105,3 +105,24 @@ def test_ra_sampler_shards(n, world):
 def test_ra_sampler_rejects_bad_rank():
     with pytest.raises(ValueError):
         RASampler(list(range(10)), num_replicas=2, rank=2)
+
+
+def test_randaugment_posterize_at_magnitude_10_keeps_running():
+    """DeiT's RandAugment draws magnitude 10 (PosterizeIncreasing keeps 0 bits); with Pillow >= 11
+    timm's posterize raises there. The training transform gives a black image, as Pillow < 11 did."""
+    from PIL import Image
+    from timm.data import auto_augment
+
+    from data.transforms import build_transform
+
+    t = build_transform(True, data_args(aa="rand-m10-n1-mstd0-inc1", reprob=0, color_jitter=0))
+    ops = [op for tr in t.transforms if isinstance(tr, auto_augment.RandAugment) for op in tr.ops]
+    post = [op for op in ops if op.name == "PosterizeIncreasing"]
+    assert len(post) == 1 and post[0].aug_fn is not auto_augment.posterize
+    img = Image.new("RGB", (32, 32), (200, 120, 40))
+    with pytest.raises(ValueError):
+        auto_augment.posterize(img, 0)  # the library call this guards against
+    post[0].prob = 1.0
+    out = post[0](img)
+    assert out.size == (32, 32) and out.getextrema() == ((0, 0), (0, 0), (0, 0))
+    assert post[0].aug_fn(img, 4).getpixel((0, 0)) == (192, 112, 32)
