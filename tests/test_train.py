@@ -206,3 +206,26 @@ def test_paper_scripts_give_valid_arguments(script, tmp_path):
     if a.ms_policy:
         assert (ROOT / a.ms_policy).is_file()
     assert a.amp == "fp16" and a.epochs in (300, 1000) and a.output_dir.endswith(script[:-3])
+
+
+def test_report_groups_runs_by_label_prefix(tmp_path):
+    """The demo's table: one row per run, and per GROUP/NAME group the mean final top-1 and its
+    difference to the first group."""
+    import json
+
+    from training import report
+
+    def log(name, acc):
+        d = tmp_path / name
+        d.mkdir(parents=True)
+        (d / "log.txt").write_text(json.dumps(dict(epoch=1, test_acc1=acc, max_accuracy=acc + 1,
+                                                   train_saved_act_mib=4.0 if "exact" in name else 1.0,
+                                                   train_step_ms=10.0, train_max_mem_mb=800)) + "\n")
+        return str(d)
+
+    runs = {"exact/s0": log("exact0", 98.0), "mesa8/s0": log("mesa0", 96.0),
+            "exact/s1": log("exact1", 96.0), "mesa8/s1": log("mesa1", 97.0)}
+    out = report.table(runs)
+    assert "| mesa8/s0 | 2 | 96.00% (97.00%) | 1.00 MiB (0.250x) |" in out
+    assert "| exact | 2 | 97.00% (96.00 - 98.00) | +0.00 points | 98.00% |" in out
+    assert "| mesa8 | 2 | 96.50% (96.00 - 97.00) | -0.50 points | 97.50% |" in out

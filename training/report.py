@@ -1,10 +1,13 @@
 """The demo's comparison table from the ``log.txt`` of finished runs.
 
     python -m training.report exact=outputs/demo/exact mesa8=outputs/demo/mesa8
+    python -m training.report exact/s0=... exact/s1=... mesa8/s0=... mesa8/s1=...
 
 prints, per run: best and final top-1 accuracy, the bytes autograd held for backward in one
 training step (``SavedActivationMeter``), the mean step time (forward + backward + update, data
-loading excluded, over the last epoch) and the peak memory; ratios are to the first run.
+loading excluded, over the last epoch) and the peak memory; ratios are to the first run. Runs
+labelled ``GROUP/NAME`` (e.g. one per seed) are also summarised per group: mean final top-1 with its
+range, mean best top-1, and the difference of each group's mean to the first group's.
 """
 from __future__ import annotations
 
@@ -41,6 +44,21 @@ def table(runs: dict[str, str]) -> str:
         out.append(f"| {r['label']} | {r['epochs']} | {r['final']:.2f}% ({r['best']:.2f}%) | "
                    f"{r['saved']:.2f} MiB ({r['saved'] / base['saved']:.3f}x) | "
                    f"{r['step']:.1f} ms ({r['step'] / base['step']:.2f}x) | {r['mem']:.0f} MiB |")
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if "/" in r["label"]:
+            groups.setdefault(r["label"].split("/", 1)[0], []).append(r)
+    if groups:
+        first = None
+        out += ["", "| group | runs | top-1 final: mean (min - max) | vs first group | top-1 best: mean |",
+                "|---|---|---|---|---|"]
+        for name, rs in groups.items():
+            finals = [r["final"] for r in rs]
+            mean = sum(finals) / len(finals)
+            first = mean if first is None else first
+            best = sum(r["best"] for r in rs) / len(rs)
+            out.append(f"| {name} | {len(rs)} | {mean:.2f}% ({min(finals):.2f} - {max(finals):.2f}) | "
+                       f"{mean - first:+.2f} points | {best:.2f}% |")
     return "\n".join(out)
 
 
