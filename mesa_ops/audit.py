@@ -43,31 +43,8 @@ class SavedTensor:
     compressed: bool
 
 
-@dataclass
-class ModuleRow:
-    name: str
-    type: str
-    is_mesa: bool
-    tensors: list = field(default_factory=list)
-
-    @property
-    def bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors)
-
-    @property
-    def packed_bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors if t.compressed)
-
-    @property
-    def exact_bytes(self) -> int:
-        return self.bytes - self.packed_bytes
-
-
-@dataclass
-class AuditReport:
-    """Per-module saved tensors of one training forward. ``modules`` in order of first save."""
-    modules: list
-    tensors: list
+class _ByteSums:
+    """Byte totals of ``self.tensors`` (saved-tensor rows with ``bytes`` and ``compressed``)."""
 
     @property
     def total_bytes(self) -> int:
@@ -80,6 +57,25 @@ class AuditReport:
     @property
     def exact_bytes(self) -> int:
         return self.total_bytes - self.packed_bytes
+
+
+@dataclass
+class ModuleRow(_ByteSums):
+    name: str
+    type: str
+    is_mesa: bool
+    tensors: list = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return self.total_bytes
+
+
+@dataclass
+class AuditReport(_ByteSums):
+    """Per-module saved tensors of one training forward. ``modules`` in order of first save."""
+    modules: list
+    tensors: list
 
     def by_module(self) -> dict[str, int]:
         return {r.name: r.bytes for r in self.modules}
