@@ -1,4 +1,4 @@
-"""Timing and memory helpers shared by ``tools/benchmark_ops.py``, ``tools/demo.py`` and the
+"""Timing and memory helpers shared by ``tools/benchmark_ops.py`` and the model
 benchmarks: interleaved train-step timing, saved-activation bytes, and the per-layer cases.
 """
 from __future__ import annotations
@@ -131,53 +131,3 @@ def format_table(rows: list[dict]) -> str:
                              f"{r['bytes_ratio']:.3f}x bytes)")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-class TinyViTHead(nn.Module):
-    """Blocks of :class:`Block` on (B, N, C) tokens, mean-pooled, then a linear head."""
-
-    def __init__(self, depth: int = 2, dim: int = 192, heads: int = 3, classes: int = 10):
-        super().__init__()
-        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
-        self.norm = L.LayerNorm(dim, quant_groups=heads)
-        self.head = L.Linear(dim, classes)
-
-    def forward(self, x):
-        return self.head(self.norm(self.blocks(x)).mean(1))
-
-
-def train_compare(bits_list=(8,), depth: int = 2, batch: int = 8, tokens: int = 197, dim: int = 192,
-                  heads: int = 3, steps: int = 5, seed: int = 0, device: str = "cpu",
-                  lr: float = 1e-3) -> list[dict]:
-    """Train the same TinyViTHead from the same init on the same batches (two batches of random
-    tokens cycled, labels from a fixed linear teacher, so the loss falls), exact and with Mesa at each bit width;
-    report first/final loss, saved-activation bytes and median step time."""
-    torch.manual_seed(seed)
-    base = TinyViTHead(depth, dim, heads).to(device)
-    teacher = torch.randn(dim, 10, device=device)  # a learnable task: labels from a linear teacher
-    xs = [torch.randn(batch, tokens, dim, device=device) for _ in range(2)]
-    data = [(x, (x.mean(1) @ teacher).argmax(1)) for x in xs] * ((steps + 1) // 2)
-    data = data[:steps]
-    rows = []
-    for bits in (None,) + tuple(bits_list):
-        model = copy.deepcopy(base)
-        set_mesa(model, enable=bits is not None, bits=bits or 8)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        times, losses = [], []
-        for x, y in data:
-            t0 = time.perf_counter()
-            loss = nn.functional.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sync(torch.device(device))
-            times.append(time.perf_counter() - t0)
-            losses.append(loss.item())
-        meter = saved_bytes(model, (data[0][0],))
-        rows.append(dict(mode="exact" if bits is None else f"mesa{bits}", first_loss=losses[0],
-                         final_loss=losses[-1], saved_bytes=meter.total_bytes,
-                         step_ms=statistics.median(times[1:] or times) * 1e3))
-    for r in rows:
-        r["bytes_ratio"] = r["saved_bytes"] / rows[0]["saved_bytes"]
-        r["time_ratio"] = r["step_ms"] / rows[0]["step_ms"]
-    return rows
