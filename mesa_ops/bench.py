@@ -65,14 +65,17 @@ def op_cases(batch: int = 8, tokens: int = 197, dim: int = 192, heads: int = 3) 
     ]
 
 
-def _one_step(model, inputs, autocast_dtype, dev) -> float:
+def train_step_time(model, inputs: tuple, autocast_dtype=None, device="cpu") -> float:
+    """Seconds of one forward + ``sum()`` loss + backward of ``model(*inputs)`` (parameter
+    gradients cleared first; of a tuple output, its first item), with the device synchronised."""
+    dev = torch.device(device)
     for p in model.parameters():
         p.grad = None
     sync(dev)
     t0 = time.perf_counter()
     with torch.autocast(dev.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         out = model(*inputs)
-    out.float().sum().backward()
+    (out[0] if isinstance(out, tuple) else out).float().sum().backward()
     sync(dev)
     return time.perf_counter() - t0
 
@@ -95,7 +98,7 @@ def compare(case: OpCase, bits_list=(8, 4, 2), device: str = "cpu", steps: int =
     times = [[] for _ in modes]
     for r in range(warmup + steps):
         for i, m in enumerate(models):
-            t = _one_step(m, inputs, autocast_dtype, dev)
+            t = train_step_time(m, inputs, autocast_dtype, dev)
             if r >= warmup:
                 times[i].append(t)
     rows = []

@@ -434,9 +434,9 @@ def bench(name: str, policy="mesa8", batch_size: int = 4, img_size: int = 224, s
     ``policy`` vs exact (the same model with every Mesa layer off: for a timm model its original
     forward). Steps (forward, sum loss, backward; fp32) alternate exact / Mesa; medians."""
     import statistics
-    import time
 
     from .audit import audit
+    from .bench import train_step_time
 
     model = build_model(name, policy, img_size=img_size).train()
     on = {n: m.enable for n, m in mesa_layers(model)}
@@ -446,24 +446,17 @@ def bench(name: str, policy="mesa8", batch_size: int = 4, img_size: int = 224, s
         for n, m in mesa_layers(model):
             m.enable = on[n] and flag
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        out = model(x)
-        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-        return time.perf_counter() - t0
-
     res = {"model": name, "policy": str(policy), "batch": batch_size, "img_size": img_size,
            "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
     times = {True: [], False: []}
     for flag in (False, True):
         set_on(flag)
         res["saved_mesa" if flag else "saved_exact"] = audit(model, x, verbose=False).total_bytes
-        step()  # warm-up
+        train_step_time(model, (x,))  # warm-up
     for _ in range(steps):
         for flag in (False, True):
             set_on(flag)
-            times[flag].append(step())
+            times[flag].append(train_step_time(model, (x,)))
     res["step_exact"] = statistics.median(times[False])
     res["step_mesa"] = statistics.median(times[True])
     return res

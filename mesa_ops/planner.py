@@ -56,6 +56,7 @@ import torch.nn as nn
 from . import layers as L
 from .attention import QUANTIZERS, SDPA
 from .audit import audit, format_bytes
+from .bench import train_step_time
 from .policy import TAGS, assign_indices, deploy_on_init, mesa_layers
 from .quant import Quantizer
 
@@ -215,13 +216,7 @@ def _unit_error(model: nn.Module, unit: Unit, captured: dict, bits: int) -> floa
 
 
 def _step_time(model, x, steps: int) -> float:
-    ts = []
-    for _ in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        out = model(x)
-        (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-        ts.append(time.perf_counter() - t0)
+    ts = [train_step_time(model, (x,)) for _ in range(steps + 1)]
     model.zero_grad(set_to_none=True)
     return statistics.median(ts[1:])
 
