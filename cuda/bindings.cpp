@@ -9,7 +9,7 @@ at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Mesa: packed low-bit activation storage (quantize / dequantize / per-group min-max)";
-  m.def("quantize_cpu", &mesa::quantize_cpu, "quantize a contiguous CPU tensor to packed codes");
+  m.def("quantize_cpu", &mesa::quantize_cpu, "quantize a CPU tensor (contiguous or row-strided) to packed codes");
   m.def("dequantize_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
                              int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
     return mesa::dequantize_cpu(p, st, sh, bits, groups, inner, numel,
@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("group_minmax_cpu", &mesa::group_minmax_cpu, "per-group (min, max) as a (2, G) float tensor");
   m.def("range_update_cpu", &mesa::range_update_cpu,
         "running-range update in place; returns (4, G): inv, step, shift, finite");
+  m.def("quantize_step_cpu", &mesa::quantize_step_cpu,
+        "range_update_cpu + quantize_cpu in one call: (packed, (4, G) rows, all finite)");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

@@ -63,6 +63,10 @@ at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, 
                             at::Tensor shift, at::Tensor iteration, double decay,
                             double one_minus_decay, bool batch_mode, int64_t bits,
                             bool update);
+std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
+    bool update, int64_t seed, bool stochastic, bool mark_nonfinite);
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

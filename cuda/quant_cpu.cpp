@@ -21,12 +21,77 @@
 namespace mesa {
 namespace {
 
-constexpr int64_t kTile = 4096;  // elements per tile; a multiple of 8 so tiles pack to whole bytes
+constexpr int64_t kTile = 4096;  // elements per tile; a multiple of 16 so tiles pack to whole bytes
+
+// The elements of x in logical (row-major) order: element e lies at
+// p + (e / row_len) * row_stride + e % row_len. A contiguous tensor is one row; a tensor whose
+// last dim is contiguous and whose leading dims collapse to one stride (q, k, v sliced out of a
+// fused qkv projection) is read in place, without a copy.
+template <typename T>
+struct Rows {
+  const T* p;
+  int64_t row_len;
+  int64_t row_stride;
+  const T* at(int64_t e) const {
+    return row_len == row_stride ? p + e : p + (e / row_len) * row_stride + e % row_len;
+  }
+};
+
+// (row_len, row_stride) of x when Rows can read it and every group segment of `inner` elements
+// lies inside one row; false otherwise (the caller then makes x contiguous).
+bool row_layout(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
+  const int64_t n = x.numel();
+  if (x.is_contiguous()) {
+    *row_len = *row_stride = std::max<int64_t>(n, 1);
+    return true;
+  }
+  const int64_t nd = x.dim();
+  if (nd < 2 || x.stride(nd - 1) != 1) return false;
+  const int64_t len = x.size(nd - 1);
+  int64_t stride = -1, expect = -1;  // walk the leading dims from the innermost outwards
+  for (int64_t d = nd - 2; d >= 0; --d) {
+    if (x.size(d) == 1) continue;
+    if (stride < 0) {
+      stride = x.stride(d);
+      expect = stride * x.size(d);
+    } else {
+      if (x.stride(d) != expect) return false;
+      expect *= x.size(d);
+    }
+  }
+  if (stride < 0) stride = len;  // a single row
+  if (stride < len || len % inner != 0) return false;
+  *row_len = len;
+  *row_stride = stride;
+  return true;
+}
 
 #if defined(__AVX2__)
-// AVX2 versions of the fp32 loops: the same IEEE operations in the same order as quant_math.h
+// AVX2 versions of the loops: the same IEEE operations in the same order as quant_math.h
 // (sub, mul, add as separate instructions; max/min with the header's operand order), so the
 // results are bit-identical to the scalar code and the reference (the tests check this).
+// fp16 and bf16 inputs are widened to fp32 exactly (F16C / a 16-bit shift) and take the same
+// loops.
+template <typename T>
+struct Vec : std::false_type {};
+template <>
+struct Vec<float> : std::true_type {
+  static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+};
+template <>
+struct Vec<c10::Half> : std::true_type {
+  static __m256 load8(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+template <>
+struct Vec<c10::BFloat16> : std::true_type {
+  static __m256 load8(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+};
+
 inline __m256i hash32_avx2(__m256i x) {
   x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kHashMul1)));
@@ -35,63 +100,79 @@ inline __m256i hash32_avx2(__m256i x) {
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
 }
 
-inline void store_low_bytes(__m256i q, uint8_t* out) {  // byte 0 of each 32-bit lane -> 8 bytes
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_shuffle_epi8(q, pick);
-  const __m128i both = _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), both);
+// Byte 0 of each 32-bit lane of a and b -> 16 bytes at out (a's 8 first).
+inline void store_low_bytes16(__m256i a, __m256i b, uint8_t* out) {
+  const __m256i ab = _mm256_packus_epi32(a, b);        // 16-bit: a0-3 b0-3 | a4-7 b4-7
+  const __m256i w = _mm256_permute4x64_epi64(ab, 0xd8);  // a0-3 a4-7 | b0-3 b4-7
+  const __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
 }
 
-// Codes of n fp32 values of one group; returns how many were done (a multiple of 8).
-inline int64_t quantize_run_avx2(const float* xs, uint8_t* out, int64_t n, float iv, float sh,
-                                 float maxq, uint64_t seed, uint32_t lo0, uint32_t hi,
-                                 bool stochastic) {
+inline __m256i quantize8_avx2(__m256 x, __m256 vsh, __m256 viv, __m256 u, __m256 vmax) {
+  __m256 v = _mm256_mul_ps(_mm256_sub_ps(x, vsh), viv);
+  v = _mm256_add_ps(v, u);
+  v = _mm256_max_ps(v, _mm256_setzero_ps());  // v > 0 ? v : 0  (NaN -> 0)
+  v = _mm256_min_ps(v, vmax);                 // v < maxq ? v : maxq
+  return _mm256_cvttps_epi32(v);
+}
+
+// Codes of elements [e, t) of one group (global indices; xs/out point at element s), 16 at a
+// time from e (a multiple of 16); returns where it stopped.
+template <typename T>
+inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e, int64_t t,
+                                 float iv, float sh, float maxq, uint64_t seed, bool stochastic) {
   const __m256 viv = _mm256_set1_ps(iv), vsh = _mm256_set1_ps(sh), vmax = _mm256_set1_ps(maxq);
-  const __m256 zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
-  const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
+  const __m256 scale = _mm256_set1_ps(kNoiseScale);
+  __m256 u0 = _mm256_set1_ps(0.5f), u1 = u0;
   const __m256i k0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(seed)));
-  const __m256i hk = _mm256_set1_epi32(
-      static_cast<int>((hi ^ static_cast<uint32_t>(seed >> 32)) * kGolden));
-  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo0)),
-                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256i eight = _mm256_set1_epi32(8);
-  int64_t e = 0;
-  for (; e + 8 <= n; e += 8) {
-    __m256 u = half;
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i lo16 = _mm256_set1_epi32(0xffff);
+  for (; e + 16 <= t; e += 16) {
     if (stochastic) {
-      const __m256i h = hash32_avx2(_mm256_add_epi32(_mm256_xor_si256(idx, k0), hk));
-      u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), scale);
-      idx = _mm256_add_epi32(idx, eight);
+      const uint64_t p = static_cast<uint64_t>(e) >> 1;  // pair of element e (e % 16 == 0)
+      const __m256i pl = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(p))), iota);
+      const __m256i hk = _mm256_set1_epi32(static_cast<int>(
+          (static_cast<uint32_t>(p >> 32) ^ static_cast<uint32_t>(seed >> 32)) * kGolden));
+      const __m256i h = hash32_avx2(_mm256_add_epi32(_mm256_xor_si256(pl, k0), hk));
+      u0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, lo16)), scale);
+      u1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), scale);
     }
-    __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xs + e), vsh), viv);
-    v = _mm256_add_ps(v, u);
-    v = _mm256_max_ps(v, zero);  // v > 0 ? v : 0  (NaN -> 0)
-    v = _mm256_min_ps(v, vmax);  // v < maxq ? v : maxq
-    store_low_bytes(_mm256_cvttps_epi32(v), out + e);
+    const T* xp = xs + (e - s);
+    const __m256i qa = quantize8_avx2(Vec<T>::load8(xp), vsh, viv, u0, vmax);
+    const __m256i qb = quantize8_avx2(Vec<T>::load8(xp + 8), vsh, viv, u1, vmax);
+    store_low_bytes16(qa, qb, out + (e - s));
   }
   return e;
 }
 
-// Running min/max/non-finite over n fp32 values; returns how many were done.
-inline int64_t minmax_run_avx2(const float* p, int64_t n, float* lo, float* hi, uint32_t* bad) {
-  __m256 vlo = _mm256_set1_ps(*lo), vhi = _mm256_set1_ps(*hi);
+// Running min/max/non-finite over n values (two accumulators per bound to halve the latency
+// chains); returns how many were done (a multiple of 16).
+template <typename T>
+inline int64_t minmax_run_avx2(const T* p, int64_t n, float* lo, float* hi, uint32_t* bad) {
+  __m256 lo0 = _mm256_set1_ps(*lo), hi0 = _mm256_set1_ps(*hi), lo1 = lo0, hi1 = hi0;
   const __m256i expo = _mm256_set1_epi32(0x7f800000);
   __m256i vbad = _mm256_setzero_si256();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(p + i);
-    vlo = _mm256_min_ps(v, vlo);  // v < lo ? v : lo
-    vhi = _mm256_max_ps(v, vhi);  // v > hi ? v : hi
-    const __m256i b = _mm256_and_si256(_mm256_castps_si256(v), expo);
-    vbad = _mm256_or_si256(vbad, _mm256_cmpeq_epi32(b, expo));
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = Vec<T>::load8(p + i), b = Vec<T>::load8(p + i + 8);
+    lo0 = _mm256_min_ps(a, lo0);  // v < lo ? v : lo
+    hi0 = _mm256_max_ps(a, hi0);  // v > hi ? v : hi
+    lo1 = _mm256_min_ps(b, lo1);
+    hi1 = _mm256_max_ps(b, hi1);
+    const __m256i ea = _mm256_and_si256(_mm256_castps_si256(a), expo);
+    const __m256i eb = _mm256_and_si256(_mm256_castps_si256(b), expo);
+    vbad = _mm256_or_si256(vbad, _mm256_or_si256(_mm256_cmpeq_epi32(ea, expo), _mm256_cmpeq_epi32(eb, expo)));
   }
-  alignas(32) float l[8], h[8];
-  _mm256_store_ps(l, vlo);
-  _mm256_store_ps(h, vhi);
+  alignas(32) float l0[8], h0[8], l1[8], h1[8];
+  _mm256_store_ps(l0, lo0);
+  _mm256_store_ps(h0, hi0);
+  _mm256_store_ps(l1, lo1);
+  _mm256_store_ps(h1, hi1);
   for (int j = 0; j < 8; ++j) {
-    *lo = l[j] < *lo ? l[j] : *lo;
-    *hi = h[j] > *hi ? h[j] : *hi;
+    *lo = l0[j] < *lo ? l0[j] : *lo;
+    *hi = h0[j] > *hi ? h0[j] : *hi;
+    *lo = l1[j] < *lo ? l1[j] : *lo;
+    *hi = h1[j] > *hi ? h1[j] : *hi;
   }
   *bad |= _mm256_testz_si256(vbad, vbad) ? 0u : 1u;
   return i;
@@ -113,42 +194,34 @@ inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t gr
   }
 }
 
-// Codes of elements [begin, end) of one tile (which never crosses a 2^32 index boundary, since
-// tiles are aligned to kTile, a power of two).
+// Codes of elements [begin, end) of one tile into codes[0, end - begin). A run of one group lies
+// in one row of `x`, so it is contiguous in memory.
 template <typename scalar_t>
-void quantize_tile(const scalar_t* __restrict__ x, uint8_t* __restrict__ codes, int64_t begin,
+void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t begin,
                    int64_t end, const float* inv, const float* shift, int64_t inner, int64_t groups,
                    int bits, uint64_t seed, bool stochastic) {
   const float maxq = static_cast<float>((1u << bits) - 1u);
-  const uint32_t hi = static_cast<uint32_t>(static_cast<uint64_t>(begin) >> 32);
   for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
+    const scalar_t* __restrict__ xs = x.at(s);
+    uint8_t* __restrict__ out = codes + (s - begin);
+    if (bits == 1) {
+      for (int64_t e = s; e < t; ++e) out[e - s] = static_cast<uint8_t>(mask_one(static_cast<float>(xs[e - s])));
+      return;
+    }
     const float iv = inv[g];
     const float sh = shift[g];
-    const scalar_t* __restrict__ xs = x + s;
-    uint8_t* __restrict__ out = codes + (s - begin);
-    const int64_t n = t - s;
-    const uint32_t lo0 = static_cast<uint32_t>(static_cast<uint64_t>(s));
-    if (bits == 1) {
-      for (int64_t e = 0; e < n; ++e) out[e] = static_cast<uint8_t>(mask_one(static_cast<float>(xs[e])));
-    } else if (stochastic) {
-      int64_t e = 0;
+    auto one = [&](int64_t e) {
+      const float u = stochastic ? uniform(seed, e) : 0.5f;
+      out[e - s] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e - s]), iv, sh, u, maxq));
+    };
+    int64_t e = s;
+    const int64_t head = std::min(t, (s + 15) & ~static_cast<int64_t>(15));
+    for (; e < head; ++e) one(e);
 #if defined(__AVX2__)
-      if constexpr (std::is_same_v<scalar_t, float>)
-        e = quantize_run_avx2(xs, out, n, iv, sh, maxq, seed, lo0, hi, true);
+    if constexpr (Vec<scalar_t>::value)
+      e = quantize_run_avx2(xs, out, s, e, t, iv, sh, maxq, seed, stochastic);
 #endif
-      for (; e < n; ++e) {
-        const float u = uniform_lohi(seed, lo0 + static_cast<uint32_t>(e), hi);
-        out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, u, maxq));
-      }
-    } else {
-      int64_t e = 0;
-#if defined(__AVX2__)
-      if constexpr (std::is_same_v<scalar_t, float>)
-        e = quantize_run_avx2(xs, out, n, iv, sh, maxq, seed, lo0, hi, false);
-#endif
-      for (; e < n; ++e)
-        out[e] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e]), iv, sh, 0.5f, maxq));
-    }
+    for (; e < t; ++e) one(e);
   });
 }
 
@@ -200,35 +273,166 @@ inline void unpack_codes(const uint8_t* in, int64_t n, int bits, uint8_t* codes)
 
 }  // namespace
 
-at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
-                        int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic) {
-  check_quantize_args(x, inv, shift, bits, groups, inner);
-  TORCH_CHECK(x.device().is_cpu(), "mesa quantize_cpu: x must be a CPU tensor");
-  const int64_t n = x.numel();
+namespace {
+
+// x itself when Rows can read it for groups of `inner` elements, else a contiguous copy.
+at::Tensor readable(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
+  if (row_layout(x, inner, row_len, row_stride)) return x;
+  at::Tensor c = x.contiguous();
+  *row_len = *row_stride = std::max<int64_t>(c.numel(), 1);
+  return c;
+}
+
+void quantize_into(const at::Tensor& x, const float* iv, const float* sh, int64_t bits,
+                   int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* o) {
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  const int64_t n = xr.numel();
   const int per = 8 / static_cast<int>(bits);
-  auto out = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
-  const float* iv = inv.data_ptr<float>();
-  const float* sh = shift.data_ptr<float>();
-  uint8_t* o = out.data_ptr<uint8_t>();
   const uint64_t useed = static_cast<uint64_t>(seed);
   const int b = static_cast<int>(bits);
   const int64_t ntiles = (n + kTile - 1) / kTile;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_quantize_cpu", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_quantize_cpu", [&] {
+    const Rows<scalar_t> rows{xr.data_ptr<scalar_t>(), row_len, row_stride};
     at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t begin = t * kTile;
         const int64_t end = std::min(n, begin + kTile);
         if (b == 8) {
-          quantize_tile(xp, o + begin, begin, end, iv, sh, inner, groups, b, useed, stochastic);
+          quantize_tile(rows, o + begin, begin, end, iv, sh, inner, groups, b, useed, stochastic);
         } else {
-          quantize_tile(xp, codes.data(), begin, end, iv, sh, inner, groups, b, useed, stochastic);
+          quantize_tile(rows, codes.data(), begin, end, iv, sh, inner, groups, b, useed, stochastic);
           pack_codes(codes.data(), end - begin, b, o + begin / per);
         }
       }
     });
   });
+}
+
+// Per-group min/max/non-finite of x (any layout) into lo/hi (NaN where non-finite).
+void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float* out_lo,
+                       float* out_hi) {
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  const int64_t segments = xr.numel() / inner;  // outer * groups
+  const int nthreads = at::get_num_threads();
+  // one slot of G values per thread, padded to 64 bytes so threads never share a cache line
+  const int64_t slot = (groups + 15) / 16 * 16;
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> mins(static_cast<size_t>(nthreads * slot), inf);
+  std::vector<float> maxs(static_cast<size_t>(nthreads * slot), -inf);
+  std::vector<uint32_t> bad(static_cast<size_t>(nthreads * slot), 0u);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_group_minmax_cpu", [&] {
+    const Rows<scalar_t> rows{xr.data_ptr<scalar_t>(), row_len, row_stride};
+    const int64_t grain = std::max<int64_t>(1, 32768 / inner);
+    at::parallel_for(0, segments, grain, [&](int64_t s0, int64_t s1) {
+      std::vector<float> mn(static_cast<size_t>(groups), inf), mx(static_cast<size_t>(groups), -inf);
+      std::vector<uint32_t> bd(static_cast<size_t>(groups), 0u);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t g = s % groups;
+        const scalar_t* p = rows.at(s * inner);
+        float l = mn[g], h = mx[g];
+        uint32_t nf = 0;
+        int64_t i = 0;
+#if defined(__AVX2__)
+        if constexpr (Vec<scalar_t>::value) i = minmax_run_avx2(p, inner, &l, &h, &nf);
+#endif
+        for (; i < inner; ++i) {
+          const float v = static_cast<float>(p[i]);
+          uint32_t b;
+          std::memcpy(&b, &v, sizeof(b));
+          l = v < l ? v : l;
+          h = v > h ? v : h;
+          nf |= nonfinite_bits(b) ? 1u : 0u;
+        }
+        mn[g] = l;
+        mx[g] = h;
+        bd[g] |= nf;
+      }
+      const int64_t base = static_cast<int64_t>(at::get_thread_num()) * slot;
+      for (int64_t g = 0; g < groups; ++g) {
+        mins[base + g] = std::min(mins[base + g], mn[g]);
+        maxs[base + g] = std::max(maxs[base + g], mx[g]);
+        bad[base + g] |= bd[g];
+      }
+    });
+  });
+  for (int64_t g = 0; g < groups; ++g) {
+    float lo = inf, hi = -inf;
+    bool b = false;
+    for (int t = 0; t < nthreads; ++t) {
+      lo = std::min(lo, mins[t * slot + g]);
+      hi = std::max(hi, maxs[t * slot + g]);
+      b = b || bad[t * slot + g];
+    }
+    out_lo[g] = b ? std::numeric_limits<float>::quiet_NaN() : lo;
+    out_hi[g] = b ? std::numeric_limits<float>::quiet_NaN() : hi;
+  }
+}
+
+void check_cpu_input(const char* op, const at::Tensor& x, int64_t groups, int64_t inner) {
+  TORCH_CHECK(x.device().is_cpu(), "mesa ", op, ": x must be a CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kDouble,
+              "mesa ", op, ": x must be float64/32/16 or bfloat16, got ", x.scalar_type());
+  check_group_args(op, x.numel(), groups, inner);
+}
+
+// The running-range update of Mesa in place, writing the (4, G) rows inv, step, shift, finite
+// into o; returns whether every group was finite.
+bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor& clip_val,
+                       at::Tensor& shift, at::Tensor& iteration, double decay,
+                       double one_minus_decay, bool batch_mode, int64_t bits, bool update,
+                       float* o) {
+  for (const at::Tensor* t : {&clip_val, &shift}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
+                    t->device().is_cpu(),
+                "mesa range_update: clip_val/shift must be contiguous float32 CPU tensors of ",
+                groups, " elements");
+  }
+  TORCH_CHECK(iteration.scalar_type() == at::kFloat && iteration.numel() == 1,
+              "mesa range_update: iteration must be a float32 tensor of 1 element");
+  check_bits("range_update", bits);
+  std::vector<float> lo(static_cast<size_t>(groups)), hi(static_cast<size_t>(groups));
+  group_minmax_into(x, groups, inner, lo.data(), hi.data());
+  bool finite = true;
+  for (int64_t g = 0; g < groups; ++g) {
+    const bool f = std::isfinite(lo[g]) && std::isfinite(hi[g]);
+    o[3 * groups + g] = f ? 1.0f : 0.0f;
+    finite = finite && f;
+  }
+  float* clip = clip_val.data_ptr<float>();
+  float* sh = shift.data_ptr<float>();
+  float* it = iteration.data_ptr<float>();
+  if (finite && update) {
+    const bool take = batch_mode || it[0] == 0.0f;
+    for (int64_t g = 0; g < groups; ++g)
+      update_range_one(lo[g], hi[g], take, static_cast<float>(decay),
+                       static_cast<float>(one_minus_decay), clip + g, sh + g);
+    it[0] += 1.0f;
+  }
+  const float levels = static_cast<float>((1u << bits) - 1u);
+  for (int64_t g = 0; g < groups; ++g) {
+    scales_one(clip[g], levels, o + g, o + groups + g);
+    o[2 * groups + g] = sh[g];
+  }
+  return finite;
+}
+
+}  // namespace
+
+// Packed codes of x: any layout (read in place when its rows allow, else copied contiguous).
+at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
+                        int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic) {
+  check_cpu_input("quantize_cpu", x, groups, inner);
+  check_bits("quantize", bits);
+  check_params("quantize", inv, shift, groups, x.device());
+  const int64_t n = x.numel();
+  const int per = 8 / static_cast<int>(bits);
+  auto out = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
+  quantize_into(x, inv.data_ptr<float>(), shift.data_ptr<float>(), bits, groups, inner, seed,
+                stochastic, out.data_ptr<uint8_t>());
   return out;
 }
 
@@ -282,83 +486,10 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
 // Per-group min and max of x viewed as (outer, G, inner): a (2, G) float tensor. A group that
 // holds NaN or Inf gets NaN in both rows, so the caller detects it with one isfinite check.
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) {
-  TORCH_CHECK(x.device().is_cpu(), "mesa group_minmax_cpu: x must be a CPU tensor");
-  TORCH_CHECK(x.is_contiguous(), "mesa group_minmax: x must be contiguous");
-  TORCH_CHECK(groups > 0 && inner > 0 && x.numel() % (groups * inner) == 0,
-              "mesa group_minmax: numel ", x.numel(), " is not a multiple of groups*inner = ",
-              groups, "*", inner);
-  const int64_t segments = x.numel() / inner;  // outer * groups
-  const int nthreads = at::get_num_threads();
-  const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> mins(static_cast<size_t>(nthreads) * groups, inf);
-  std::vector<float> maxs(static_cast<size_t>(nthreads) * groups, -inf);
-  std::vector<uint8_t> bad(static_cast<size_t>(nthreads) * groups, 0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_group_minmax_cpu", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / inner);
-    at::parallel_for(0, segments, grain, [&](int64_t s0, int64_t s1) {
-      const size_t tid = static_cast<size_t>(at::get_thread_num());
-      float* mn = mins.data() + tid * groups;
-      float* mx = maxs.data() + tid * groups;
-      uint8_t* bd = bad.data() + tid * groups;
-      for (int64_t s = s0; s < s1; ++s) {
-        const int64_t g = s % groups;
-        const scalar_t* p = xp + s * inner;
-        // 8 independent lanes: the compiler vectorises these (a single running min would
-        // be a float reduction, which it may not reorder).
-        float lo[8], hi[8];
-        uint32_t nf[8];
-        for (int j = 0; j < 8; ++j) { lo[j] = mn[g]; hi[j] = mx[g]; nf[j] = 0; }
-        int64_t i = 0;
-#if defined(__AVX2__)
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          i = minmax_run_avx2(reinterpret_cast<const float*>(p), inner, &lo[0], &hi[0], &nf[0]);
-        }
-#endif
-        for (; i + 8 <= inner; i += 8) {
-          for (int j = 0; j < 8; ++j) {
-            const float v = static_cast<float>(p[i + j]);
-            uint32_t b;
-            std::memcpy(&b, &v, sizeof(b));
-            lo[j] = v < lo[j] ? v : lo[j];
-            hi[j] = v > hi[j] ? v : hi[j];
-            nf[j] |= nonfinite_bits(b) ? 1u : 0u;
-          }
-        }
-        for (; i < inner; ++i) {
-          const float v = static_cast<float>(p[i]);
-          uint32_t b;
-          std::memcpy(&b, &v, sizeof(b));
-          lo[0] = v < lo[0] ? v : lo[0];
-          hi[0] = v > hi[0] ? v : hi[0];
-          nf[0] |= nonfinite_bits(b) ? 1u : 0u;
-        }
-        float l = lo[0], h = hi[0];
-        uint32_t bad_any = nf[0];
-        for (int j = 1; j < 8; ++j) {
-          l = lo[j] < l ? lo[j] : l;
-          h = hi[j] > h ? hi[j] : h;
-          bad_any |= nf[j];
-        }
-        mn[g] = l;
-        mx[g] = h;
-        bd[g] |= static_cast<uint8_t>(bad_any);
-      }
-    });
-  });
+  check_cpu_input("group_minmax_cpu", x, groups, inner);
   auto out = at::empty({2, groups}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  for (int64_t g = 0; g < groups; ++g) {
-    float lo = inf, hi = -inf;
-    bool b = false;
-    for (int t = 0; t < nthreads; ++t) {
-      lo = std::min(lo, mins[static_cast<size_t>(t) * groups + g]);
-      hi = std::max(hi, maxs[static_cast<size_t>(t) * groups + g]);
-      b = b || bad[static_cast<size_t>(t) * groups + g];
-    }
-    o[g] = b ? std::numeric_limits<float>::quiet_NaN() : lo;
-    o[groups + g] = b ? std::numeric_limits<float>::quiet_NaN() : hi;
-  }
+  group_minmax_into(x, groups, inner, o, o + groups);
   return out;
 }
 
@@ -370,42 +501,37 @@ at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, 
                             at::Tensor shift, at::Tensor iteration, double decay,
                             double one_minus_decay, bool batch_mode, int64_t bits,
                             bool update) {
-  for (const at::Tensor* t : {&clip_val, &shift}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
-                    t->device().is_cpu(),
-                "mesa range_update: clip_val/shift must be contiguous float32 CPU tensors of ",
-                groups, " elements");
-  }
-  TORCH_CHECK(iteration.scalar_type() == at::kFloat && iteration.numel() == 1,
-              "mesa range_update: iteration must be a float32 tensor of 1 element");
-  check_bits("range_update", bits);
-  const at::Tensor mm = group_minmax_cpu(x, groups, inner);
-  const float* lo = mm.data_ptr<float>();
-  const float* hi = lo + groups;
-  auto out = at::empty({4, groups}, mm.options());
-  float* o = out.data_ptr<float>();
-  bool finite = true;
-  for (int64_t g = 0; g < groups; ++g) {
-    const bool f = std::isfinite(lo[g]) && std::isfinite(hi[g]);
-    o[3 * groups + g] = f ? 1.0f : 0.0f;
-    finite = finite && f;
-  }
-  float* clip = clip_val.data_ptr<float>();
-  float* sh = shift.data_ptr<float>();
-  float* it = iteration.data_ptr<float>();
-  if (finite && update) {
-    const bool take = batch_mode || it[0] == 0.0f;
-    for (int64_t g = 0; g < groups; ++g)
-      update_range_one(lo[g], hi[g], take, static_cast<float>(decay),
-                       static_cast<float>(one_minus_decay), clip + g, sh + g);
-    it[0] += 1.0f;
-  }
-  const float levels = static_cast<float>((1u << bits) - 1u);
-  for (int64_t g = 0; g < groups; ++g) {
-    scales_one(clip[g], levels, o + g, o + groups + g);
-    o[2 * groups + g] = sh[g];
-  }
+  check_cpu_input("range_update_cpu", x, groups, inner);
+  auto out = at::empty({4, groups}, x.options().dtype(at::kFloat));
+  range_update_into(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+                    batch_mode, bits, update, out.data_ptr<float>());
   return out;
+}
+
+// One call for what a Mesa layer does to store an activation: range_update_cpu, then
+// quantize_cpu with the rows it returns (inv, shift), reading x twice (min/max, codes) but in
+// one dispatch and without copying a strided x. With mark_nonfinite, the shift of a non-finite
+// group is NaN in the returned rows and in the codes (as the Python path under nonfinite='skip').
+// Returns (packed codes, (4, G) rows, whether every group was finite).
+std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
+    bool update, int64_t seed, bool stochastic, bool mark_nonfinite) {
+  check_cpu_input("quantize_step_cpu", x, groups, inner);
+  auto params = at::empty({4, groups}, x.options().dtype(at::kFloat));
+  float* o = params.data_ptr<float>();
+  const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
+                                        one_minus_decay, batch_mode, bits, update, o);
+  if (!finite && mark_nonfinite) {
+    for (int64_t g = 0; g < groups; ++g)
+      if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
+  }
+  const int64_t n = x.numel();
+  const int per = 8 / static_cast<int>(bits);
+  auto packed = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
+  quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
+                packed.data_ptr<uint8_t>());
+  return {packed, params, finite};
 }
 
 }  // namespace mesa

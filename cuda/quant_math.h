@@ -13,10 +13,14 @@
 // _rn intrinsics, the CPU path is built with -ffp-contract=off), so CPU, CUDA and the PyTorch
 // reference give identical bits.
 //
-// Noise: a counter-based generator. For element index i (int64) and a 64-bit seed drawn from
-// torch's generator: h = H((lo32(i) ^ lo32(seed)) + (hi32(i) ^ hi32(seed)) * 0x9e3779b9 mod 2^32),
-// u = (h >> 8) * 2^-24, where H is a 32-bit integer hash (one round of a "lowbias32"-style
-// xorshift-multiply) whose multipliers are below 2^31 (so the int64 reference never overflows).
+// Noise: a counter-based generator with 16 random bits per element, one 32-bit hash per two
+// elements. Within each aligned block of 16 elements, element e is paired with e + 8: pair
+// p = (e >> 4) * 8 + (e & 7) (so p = e / 2 for the first element of a block), and with a 64-bit
+// seed h = H((lo32(p) ^ lo32(seed)) + (hi32(p) ^ hi32(seed)) * 0x9e3779b9 mod 2^32), where H is a
+// 32-bit integer hash (one round of a "lowbias32"-style xorshift-multiply) whose multipliers are
+// below 2^31 (so the int64 reference never overflows). The first 8 elements of the block take the
+// low 16 bits of h, the next 8 the high 16 bits: u = bits16 * 2^-16, in [0, 1), exact in fp32.
+// A SIMD loop gets 16 noises from one 8-lane hash.
 #pragma once
 #include <cstdint>
 
@@ -41,17 +45,21 @@ MESA_HD uint32_t hash32(uint32_t x) {
   return x;
 }
 
-// Uniform noise in [0, 1) with 24 random bits, exactly representable in fp32, from the low and
-// high 32-bit words of the element index (the split lets the CPU loop vectorise on 32-bit lanes).
-MESA_HD float uniform_lohi(uint64_t seed, uint32_t lo, uint32_t hi) {
-  const uint32_t h = hash32((lo ^ static_cast<uint32_t>(seed)) +
-                            (hi ^ static_cast<uint32_t>(seed >> 32)) * kGolden);
-  return static_cast<float>(static_cast<int32_t>(h >> 8)) * (1.0f / 16777216.0f);
+// The hash of pair p under seed (p and seed split into their 32-bit words).
+MESA_HD uint32_t pair_hash(uint64_t seed, uint32_t p_lo, uint32_t p_hi) {
+  return hash32((p_lo ^ static_cast<uint32_t>(seed)) +
+                (p_hi ^ static_cast<uint32_t>(seed >> 32)) * kGolden);
 }
 
+constexpr float kNoiseScale = 1.0f / 65536.0f;
+
+// Uniform noise in [0, 1) (16 random bits) of element `index`.
 MESA_HD float uniform(uint64_t seed, int64_t index) {
-  const uint64_t i = static_cast<uint64_t>(index);
-  return uniform_lohi(seed, static_cast<uint32_t>(i), static_cast<uint32_t>(i >> 32));
+  const uint64_t e = static_cast<uint64_t>(index);
+  const uint64_t p = ((e >> 4) << 3) | (e & 7u);
+  const uint32_t h = pair_hash(seed, static_cast<uint32_t>(p), static_cast<uint32_t>(p >> 32));
+  const uint32_t b = (e & 8u) ? (h >> 16) : (h & 0xffffu);
+  return static_cast<float>(static_cast<int32_t>(b)) * kNoiseScale;
 }
 
 MESA_HD float fsub(float a, float b) {

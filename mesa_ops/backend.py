@@ -19,16 +19,20 @@ from . import reference
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 BACKENDS = ("torch", "cpp", "cuda")
-_CXX_FLAGS = ["-O3", "-ffp-contract=off"]
+# -fopenmp: at::parallel_for is inline in ATen's headers and runs serially unless the extension
+# itself is compiled with OpenMP (torch links the same libgomp, so the pools are shared)
+_CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.lru_cache(maxsize=None)
 def cpu_has_avx2() -> bool:
-    """True where /proc/cpuinfo lists avx2: the CPU kernel is then built with -mavx2 (under its
-    own extension name, so machines sharing a cache never load a build their CPU lacks)."""
+    """True where /proc/cpuinfo lists avx2 and f16c: the CPU kernel is then built with -mavx2
+    -mf16c (under its own extension name, so machines sharing a cache never load a build their
+    CPU lacks)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and " avx2" in line for line in f)
+            return any(line.startswith("flags") and " avx2" in line and " f16c" in line
+                       for line in f)
     except OSError:
         return False
 
@@ -58,13 +62,14 @@ def build_extension(with_cuda: bool, verbose: bool = False, build_directory: str
     """Compile (or load from the torch extensions cache) Mesa's extension and return the module."""
     from torch.utils import cpp_extension
 
-    simd = ["-mavx2"] if cpu_has_avx2() else []
+    simd = ["-mavx2", "-mf16c"] if cpu_has_avx2() else []
     name = ("mesa_ext_cuda" if with_cuda else "mesa_ext_cpu") + ("_avx2" if simd else "")
     kwargs = dict(
         name=name,
         sources=_sources(with_cuda),
         extra_cflags=_CXX_FLAGS + simd + (["-DMESA_WITH_CUDA"] if with_cuda else []),
         extra_include_paths=[str(CUDA_DIR)] + (nvidia_include_dirs() if with_cuda else []),
+        extra_ldflags=["-fopenmp"],
         verbose=verbose,
     )
     if with_cuda:
@@ -111,6 +116,7 @@ class _Extension:
         self._m = getattr(ext, f"group_minmax_{suffix}")
         self._r = getattr(ext, f"range_update_{suffix}", None)
         self._dout = getattr(ext, f"dequantize_out_{suffix}", None)
+        self._step = getattr(ext, f"quantize_step_{suffix}", None)
 
     def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
         return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
@@ -120,6 +126,17 @@ class _Extension:
 
     def group_minmax(self, x, groups, inner):
         return self._m(x, groups, inner)
+
+    @property
+    def has_quantize_step(self) -> bool:
+        """True where one call does range_update + quantize (CPU), reading x in any layout."""
+        return self._step is not None
+
+    def quantize_step(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+                      batch_mode, bits, update, seed, stochastic, mark_nonfinite):
+        """(packed, (4, G) rows, all finite): range_update then quantize with its rows."""
+        return self._step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+                          batch_mode, bits, update, seed, stochastic, mark_nonfinite)
 
     @property
     def has_dequantize_out(self) -> bool:

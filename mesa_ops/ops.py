@@ -56,6 +56,21 @@ def make_seed(salt: int, count: int) -> int:
     return _splitmix64(z ^ count) & _SEED_MASK
 
 
+_SALTS: dict = {}  # layer name -> CRC-32 salt
+
+
+def draw_seed(draws: torch.Tensor, name: str, advance: bool) -> int:
+    """The seed of the next stochastic rounding of the quantizer named ``name`` whose (1,) int64
+    CPU draw counter is ``draws`` (advanced by one when ``advance``)."""
+    salt = _SALTS.get(name)
+    if salt is None:
+        salt = _SALTS[name] = zlib.crc32(name.encode())
+    n = int(draws[0])
+    if advance:
+        draws[0] = n + 1
+    return make_seed(salt, n)
+
+
 def get_rng_state() -> torch.Tensor:
     """Mesa's generator base (an int64 tensor of 1 value; torch.save / weights_only=True load
     it). The seeds also depend on torch's generator state and on each quantizer's draw count,
@@ -140,12 +155,7 @@ def _quantize_impl(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draw
     """Contiguous ``x`` -> packed uint8 codes (ceil(numel * bits / 8),). ``draws`` is the
     quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``); ``name`` (the
     layer's) salts its seed."""
-    seed = 0
-    if stochastic:
-        n = int(draws[0])
-        seed = make_seed(zlib.crc32(name.encode()), n)
-        if advance:
-            draws[0] = n + 1
+    seed = draw_seed(draws, name, advance) if stochastic else 0
     return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
 
 

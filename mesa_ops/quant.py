@@ -115,14 +115,17 @@ def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
     return flat.view(shape)
 
 
-def _memory_view(x: torch.Tensor, allow_transposed: bool = True) -> tuple[torch.Tensor, bool]:
+def _memory_view(x: torch.Tensor, allow_transposed: bool = True,
+                 copy: bool = True) -> tuple[torch.Tensor, bool]:
     """A contiguous tensor holding ``x``'s values without a copy where one exists (a transposed
-    view only for dim-1 groups, which a swap of the last two dims leaves in place)."""
+    view only for dim-1 groups, which a swap of the last two dims leaves in place); with
+    ``copy=False`` any other ``x`` is returned as it is (the CPU kernel reads it in place or
+    copies it itself)."""
     if x.is_contiguous():
         return x, False
     if allow_transposed and x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # k^T
         return x.transpose(-2, -1), True
-    return x.contiguous(), False
+    return (x.contiguous() if copy else x), False
 
 
 class _Workspace:
@@ -374,8 +377,6 @@ class QuantMixin:
         """Update the running range from ``x`` and return its packed copy (training only).
         ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips)."""
         shape, dtype = x.shape, x.dtype
-        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel")
-        g, inner = self.groups_for(xs.shape)
         if self.range_mode not in ("ema", "batch"):
             raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
                              f"got {self.range_mode!r}")
@@ -386,9 +387,28 @@ class QuantMixin:
         # by this step's forward: quantize with them, do not update them twice
         update = not in_backward()
         name = self.describe()
+        sync = bool(self.dist_sync)
+        xd = x.detach()
+        be = None if compiling() else get_backend(xd)
+        if getattr(be, "has_quantize_step", False) and not (sync and update and ops.dist_world() > 1):
+            # eager CPU: range update + quantize in one kernel call, reading a row-strided x (q, k,
+            # v of a fused qkv projection) in place
+            xs, transposed = _memory_view(xd, allow_transposed=self.group_dim == "channel",
+                                          copy=False)
+            g, inner = self.groups_for(xs.shape)
+            stochastic = bool(self.stochastic)
+            seed = ops.draw_seed(self._draws, name, update) if stochastic else 0
+            packed, params, finite = be.quantize_step(
+                xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
+                self.range_mode == "batch", self.bits, update, seed, stochastic, mode == "skip")
+            if not finite and (mode == "raise" or name not in ops._WARNED):
+                ops._nonfinite(mode, name, tuple(xs.shape))
+            return QTensor(packed, params[1], params[2], shape, dtype, self.bits, g, inner,
+                           transposed)
+        xs, transposed = _memory_view(xd, allow_transposed=self.group_dim == "channel")
+        g, inner = self.groups_for(xs.shape)
         params = ops.range_update(xs, self.clip_val, self.shift, self.iteration, g, inner, d,
-                                  self.range_mode == "batch", self.bits, update, mode, name,
-                                  bool(self.dist_sync))
+                                  self.range_mode == "batch", self.bits, update, mode, name, sync)
         inv, step, sh = params[0], params[1], params[2]
         packed = ops.quantize(xs, inv, sh, self._draws, name, self.bits, g, inner,
                               bool(self.stochastic), update)

@@ -27,12 +27,15 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Noise u in [0, 1) (24 random bits) for element indices 0..numel-1, as float32."""
+    """Noise u in [0, 1) (16 random bits) for element indices 0..numel-1, as float32: one hash
+    per pair of elements (e and e + 8 within each aligned block of 16, see quant_math.h)."""
     i = torch.arange(numel, dtype=torch.int64, device=device)
+    p = ((i >> 4) << 3) | (i & 7)
     s = int(seed) & 0xFFFFFFFFFFFFFFFF
-    hi = (((i >> 32) ^ (s >> 32)) * _GOLDEN) & _MASK32  # < 2^32 * 2^32: fits int64 only masked
-    h = hash32((((i & _MASK32) ^ (s & _MASK32)) + hi) & _MASK32)
-    return (h >> 8).to(torch.float32) * (1.0 / 16777216.0)
+    hi = (((p >> 32) ^ (s >> 32)) * _GOLDEN) & _MASK32  # < 2^32 * 2^32: fits int64 only masked
+    h = hash32((((p & _MASK32) ^ (s & _MASK32)) + hi) & _MASK32)
+    bits16 = torch.where((i & 8) != 0, h >> 16, h & 0xFFFF)
+    return bits16.to(torch.float32) * (1.0 / 65536.0)
 
 
 def group_index(numel: int, groups: int, inner: int, device) -> torch.Tensor:

@@ -297,13 +297,55 @@ def test_kernel_argument_checks(cpp_backend):
     one, zero = torch.ones(1), torch.zeros(1)
     with pytest.raises(RuntimeError, match="bits"):
         cpp_backend.quantize(x, one, zero, 3, 1, 16, 0, True)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        cpp_backend.quantize(torch.randn(4, 4).t(), one, zero, 8, 1, 16, 0, True)
     with pytest.raises(RuntimeError, match="multiple"):
         cpp_backend.quantize(x, torch.ones(3), torch.zeros(3), 8, 3, 5, 0, True)
     with pytest.raises(RuntimeError, match="bytes"):
         cpp_backend.dequantize(torch.zeros(3, dtype=torch.uint8), one, zero, 4, 1, 16, 16,
                                torch.float32)
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_cpp_reads_strided_inputs_in_place(cpp_backend, ref_backend, bits):
+    """q of a fused (B, N, 3C) qkv projection (rows of C with stride 3C) and a transposed
+    tensor give the codes and min/max of their contiguous copies (the first without a copy)."""
+    qkv = torch.randn(3, 37, 3 * 48) * 2
+    for x, g, inner in ((qkv[..., :48], 1, 48), (qkv[..., 48:96], 4, 12),
+                        (torch.randn(40, 24).t(), 1, 40)):
+        xc = x.contiguous()
+        mm = ref_backend.group_minmax(xc, g, inner)
+        assert torch.equal(cpp_backend.group_minmax(x, g, inner), mm)
+        inv = (((1 << bits) - 1) / (mm[1] - mm[0])).contiguous()
+        sh = mm[0].contiguous()
+        for stochastic in (True, False):
+            assert torch.equal(cpp_backend.quantize(x, inv, sh, bits, g, inner, 77, stochastic),
+                               ref_backend.quantize(xc, inv, sh, bits, g, inner, 77, stochastic))
+
+
+@pytest.mark.parametrize("layout", ("q-of-qkv", "contiguous"))
+def test_cpp_quantize_step_equals_range_update_then_quantize(cpp_backend, ref_backend, layout):
+    """The one-call CPU path (range update + quantize) == reference range_update, then reference
+    quantize with its rows: same state, rows, codes; a non-finite group is flagged and, with
+    mark_nonfinite, gets a NaN shift."""
+    qkv = torch.randn(2, 29, 3 * 32)
+    x = qkv[..., :32] if layout == "q-of-qkv" else torch.randn(2, 29, 32)
+    g, inner = 4, 8
+    for step in range(3):
+        st1 = [torch.ones(g), torch.zeros(g), torch.full((1,), float(step))]
+        st2 = [t.clone() for t in st1]
+        packed, rows, finite = cpp_backend.quantize_step(x, g, inner, *st1, 0.9, 0.1, False, 8,
+                                                         True, 1234 + step, True, True)
+        ref = ref_backend.range_update(x.contiguous(), g, inner, *st2, 0.9, 0.1, False, 8, True)
+        assert finite and torch.equal(rows, ref)
+        assert all(torch.equal(a, b) for a, b in zip(st1, st2))
+        assert torch.equal(packed, ref_backend.quantize(x.contiguous(), ref[0], ref[2], 8, g,
+                                                        inner, 1234 + step, True))
+    bad = x.contiguous().clone()
+    bad[0, 0, 9] = float("nan")  # group 1
+    _, rows, finite = cpp_backend.quantize_step(bad, g, inner, torch.ones(g), torch.zeros(g),
+                                                torch.ones(1), 0.9, 0.1, False, 8, True, 1, True,
+                                                True)
+    assert not finite and rows[3].tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert torch.isnan(rows[2, 1]) and torch.isfinite(rows[2, [0, 2, 3]]).all()
 
 
 # ---- backend selection ----------------------------------------------------------------------
