@@ -110,10 +110,9 @@ class CheckpointedBlock(nn.Module):
         return f"bits={self.bits}"
 
 
-def wrap_blocks(model: nn.Module, bits: int | None = None, select=None) -> list[CheckpointedBlock]:
-    """Wrap the outermost modules whose class name ends in 'Block' (the DeiT, Swin and PVT
-    blocks) in :class:`CheckpointedBlock`, in module order; ``select``: indices (in that order)
-    of the blocks to wrap (None: all). Returns the wrappers."""
+def find_blocks(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, block) of the outermost modules whose class name ends in 'Block', in
+    module order (inside a CheckpointedBlock, the block it wraps)."""
     found = []
 
     def visit(module):
@@ -123,6 +122,67 @@ def wrap_blocks(model: nn.Module, bits: int | None = None, select=None) -> list[
             else:
                 visit(child)
     visit(model)
+    return found
+
+
+CHECKPOINT_KEYS = ("enable", "bits")
+
+
+def apply_checkpoint_policy(model: nn.Module, blocks: list, where: str = "policy") -> dict:
+    """Apply the blocks of a policy file's ``on checkpoint:`` section to the model's blocks
+    (indices: the '*Block' modules in module order, see :func:`find_blocks`). Each policy block
+    sets ``enable`` (checkpoint or not) and/or ``bits`` (8/4/2: keep the block's input packed at
+    that many bits; absent: ordinary checkpointing); later blocks override earlier ones.
+
+    Models of this repo (DeiT, Swin, PVT) run each block through ``models.timm_api.run_block``,
+    which reads the per-block choice (``block.mesa_checkpoint``; the state-dict keys do not
+    change); other models get their chosen blocks wrapped in :class:`CheckpointedBlock`.
+    Returns {block index: bits or None} of the checkpointed blocks."""
+    from .quant import PolicyError
+
+    found = find_blocks(model)
+    if not found:
+        raise PolicyError(f"{where}: 'on checkpoint:' but {type(model).__name__} has no '*Block' "
+                          "modules to checkpoint")
+    plan: dict[int, list] = {}
+    for blk in blocks:
+        settings = {k: v for k, v in blk.settings.items() if k != "_ignored"}
+        bad = [k for k in settings if k not in CHECKPOINT_KEYS] + (["by_tag"] if blk.by_tag else [])
+        if bad:
+            raise PolicyError(f"{where}:{blk.line}: 'on checkpoint:' takes only "
+                              f"{', '.join(CHECKPOINT_KEYS)}; got {', '.join(bad)}")
+        idx = range(len(found)) if blk.by_index == "all" else blk.by_index
+        out = [i for i in idx if i >= len(found)]
+        if out:
+            raise PolicyError(f"{where}:{blk.line}: checkpoint by_index {out} out of range (the "
+                              f"model has {len(found)} blocks)")
+        for i in idx:
+            cur = plan.setdefault(i, [True, None])
+            if "enable" in settings:
+                cur[0] = bool(settings["enable"])
+            if "bits" in settings:
+                cur[1] = int(settings["bits"])
+    native = hasattr(model, "set_grad_checkpointing") and hasattr(model, "checkpointed")
+    chosen = {}
+    for i, (enable, bits) in sorted(plan.items()):
+        parent, name, block = found[i]
+        if native:
+            block.mesa_checkpoint = (enable, bits)
+        elif enable:
+            if isinstance(parent, CheckpointedBlock):
+                parent.bits = bits
+            else:
+                setattr(parent, name, CheckpointedBlock(block, bits))
+        if enable:
+            chosen[i] = bits
+    return chosen
+
+
+def wrap_blocks(model: nn.Module, bits: int | None = None, select=None) -> list[CheckpointedBlock]:
+    """Wrap the outermost modules whose class name ends in 'Block' (the DeiT, Swin and PVT
+    blocks) in :class:`CheckpointedBlock`, in module order; ``select``: indices (in that order)
+    of the blocks to wrap (None: all). Returns the wrappers."""
+    found = find_blocks(model)
     if not found:
         raise ValueError(f"{type(model).__name__}: no '*Block' modules to checkpoint")
     chosen = range(len(found)) if select is None else list(select)

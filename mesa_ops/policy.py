@@ -10,6 +10,11 @@ A policy file::
         by_index: 1 2        # a later block overrides for its indices
         enable: False
 
+Section ``on checkpoint:`` selects activation checkpointing per Transformer block (by_index over
+the '*Block' modules in order; ``enable: True`` checkpoints, ``bits: 8`` keeps the block's input
+packed at 8 bits instead of full precision: compressed checkpointing; see
+:func:`mesa_ops.checkpoint.apply_checkpoint_policy`).
+
 Numbers after ``on <tag>:`` are trigger epochs for :func:`deploy_on_epoch`. A malformed file
 raises :class:`PolicyError` naming the file, the line and what was expected.
 
@@ -37,6 +42,7 @@ _log = logging.getLogger("mesa_ops")
 
 TAGS = ("conv", "fc", "eltwise", "shuffle", "concat", "norm", "gelu", "layernorm", "matmul",
         "softmax", "bn", "relu", "attention")  # the original's order of index assignment (+ SDPA)
+CHECKPOINT = "checkpoint"  # section of per-block (compressed) activation checkpointing
 SUB_TAGS = ("matmul-1", "matmul-2", "softmax-1", "softmax-2")  # quant1/quant2 of MatMul/Softmax
 
 
@@ -108,8 +114,9 @@ def parse_policy(filename: str) -> dict[str, Section]:
         key, value = (s.strip() for s in text.split(":", 1))
         words = key.split()
         if words and words[0] == "on":
-            if len(words) != 2 or words[1] not in TAGS:
-                fail(lineno, raw, f"expected 'on <tag>:' with a tag among {', '.join(TAGS)}")
+            if len(words) != 2 or words[1] not in TAGS + (CHECKPOINT,):
+                fail(lineno, raw, f"expected 'on <tag>:' with a tag among {', '.join(TAGS)} "
+                     f"(or 'on {CHECKPOINT}:')")
             close_block()
             try:
                 trigger = [int(t) for t in value.replace(",", " ").split()]
@@ -214,6 +221,13 @@ def deploy_on_init(model: nn.Module, filename: str, verbose=print, override_verb
         _override_verbose(model, verbose)
     layers_ = mesa_layers(model)
     counts = assign_indices(model)
+    ckpt = sections.pop(CHECKPOINT, None)
+    if ckpt is not None:  # checked before any layer is changed
+        from .checkpoint import apply_checkpoint_policy
+
+        chosen = apply_checkpoint_policy(model, ckpt.blocks, where=filename)
+        verbose(f"mesa policy: checkpoint: {len(chosen)} blocks "
+                + ", ".join(f"{i}" + ("" if b is None else f"@{b}bit") for i, b in chosen.items()))
     for tag, sec in sections.items():
         tagged = [m for _, m in layers_ if m.tag == tag]
         for blk in sec.blocks:

@@ -33,7 +33,13 @@ def run_block(block: nn.Module, *args, enable: bool = False, bits: int | None = 
     ``bits=None``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (the block's
     inputs are kept, everything inside is recomputed in backward). ``bits=8/4/2``: the compressed
     checkpoint of ``mesa_ops.checkpoint.checkpoint_block`` (the inputs kept as a packed copy).
+    A per-block choice from a policy file's ``on checkpoint:`` section
+    (``block.mesa_checkpoint = (enable, bits)``, see mesa_ops.checkpoint.apply_checkpoint_policy)
+    overrides the model-wide one.
     """
+    override = getattr(block, "mesa_checkpoint", None)
+    if override is not None:
+        enable, bits = override
     if not enable or not torch.is_grad_enabled() or torch.jit.is_scripting():
         return block(*args)
     if bits is None:

@@ -97,3 +97,37 @@ def test_wrap_blocks_selection_on_a_model():
     assert len(wrapped) == 2 and all(w.bits == 8 for w in wrapped)
     with pytest.raises(ValueError, match="out of range"):
         wrap_blocks(models.create_model("deit_tiny_patch16_224", img_size=32, depth=2), select=[5])
+
+
+def test_checkpoint_selection_from_a_policy_file(tmp_path):
+    """`on checkpoint:` in a policy file checkpoints the chosen blocks (here 1 and 3 with their
+    input packed at 8 bits, 0 plainly): same forward, fewer saved bytes, state-dict keys
+    unchanged; a key other than enable/bits or an index past the last block names file:line."""
+    base = open("configs/mesa/mesa_8bit.txt", encoding="utf-8").read()
+    pol = tmp_path / "mesa8_cckpt.txt"
+    pol.write_text(base + "\non checkpoint:\n    by_index: 1 3\n    enable: True\n    bits: 8\n"
+                   "    by_index: 0\n    enable: True\n")
+    kw = dict(img_size=32, depth=4, num_classes=10, drop_path_rate=0.)
+    torch.manual_seed(0)
+    ref = models.create_model("deit_tiny_patch16_224", ms_policy="configs/mesa/mesa_8bit.txt",
+                              **kw).train()
+    torch.manual_seed(0)
+    m = models.create_model("deit_tiny_patch16_224", ms_policy=str(pol), **kw).train()
+    assert [getattr(b, "mesa_checkpoint", None) for b in m.blocks] == \
+        [(True, None), (True, 8), None, (True, 8)]
+    assert list(m.state_dict()) == list(ref.state_dict())
+    x = torch.rand(2, 3, 32, 32)
+    with ms.SavedActivationMeter() as full:
+        y0 = ref(x)
+    with ms.SavedActivationMeter() as part:
+        y1 = m(x)
+    assert torch.equal(y0, y1)
+    assert part.total_bytes < 0.8 * full.total_bytes, (part.total_bytes, full.total_bytes)
+    y1.sum().backward()
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+    for extra, msg in (("    by_index: 0\n    ema_decay: 0.9\n", "takes only"),
+                       ("    by_index: 9\n    enable: True\n", "out of range")):
+        bad = tmp_path / "bad.txt"
+        bad.write_text("on checkpoint:\n" + extra)
+        with pytest.raises(ms.policy.PolicyError, match=rf"bad.txt:2: .*{msg}"):
+            models.create_model("deit_tiny_patch16_224", ms_policy=str(bad), **kw)
