@@ -371,6 +371,12 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
   }
 }
 
+// An uninitialised (ceil(numel * bits / 8),) uint8 tensor for the packed codes of x.
+at::Tensor packed_for(const at::Tensor& x, int64_t bits) {
+  const int64_t per = 8 / bits;
+  return at::empty({(x.numel() + per - 1) / per}, x.options().dtype(at::kByte));
+}
+
 void check_cpu_input(const char* op, const at::Tensor& x, int64_t groups, int64_t inner) {
   TORCH_CHECK(x.device().is_cpu(), "mesa ", op, ": x must be a CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
@@ -428,9 +434,7 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
   check_cpu_input("quantize_cpu", x, groups, inner);
   check_bits("quantize", bits);
   check_params("quantize", inv, shift, groups, x.device());
-  const int64_t n = x.numel();
-  const int per = 8 / static_cast<int>(bits);
-  auto out = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
+  auto out = packed_for(x, bits);
   quantize_into(x, inv.data_ptr<float>(), shift.data_ptr<float>(), bits, groups, inner, seed,
                 stochastic, out.data_ptr<uint8_t>());
   return out;
@@ -526,9 +530,7 @@ std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
   }
-  const int64_t n = x.numel();
-  const int per = 8 / static_cast<int>(bits);
-  auto packed = at::empty({(n + per - 1) / per}, x.options().dtype(at::kByte));
+  auto packed = packed_for(x, bits);
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>());
   return {packed, params, finite};

@@ -120,10 +120,16 @@ def _range_update_impl(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Ten
     if nonfinite == "skip":  # a non-finite group's stored copy dequantizes to NaN (its codes
         # are 0): the gradient is non-finite, as in exact training, and GradScaler skips the step
         params[2] = torch.where(params[3] > 0, params[2], torch.full_like(params[2], float("nan")))
-    if nonfinite == "raise" or name not in _WARNED:
+    if must_report_nonfinite(nonfinite, name):
         if not bool(params[3].all()):  # a host sync on CUDA (only until the first warning)
             _nonfinite(nonfinite, name, tuple(x.shape))
     return params
+
+
+def must_report_nonfinite(mode: str, name: str) -> bool:
+    """Whether a non-finite activation of layer ``name`` must still raise or warn ('raise'
+    always; 'skip' until the layer has warned once)."""
+    return mode == "raise" or name not in _WARNED
 
 
 def _nonfinite(mode: str, name: str, shape) -> None:

@@ -388,25 +388,24 @@ class QuantMixin:
         update = not in_backward()
         name = self.describe()
         sync = bool(self.dist_sync)
-        xd = x.detach()
-        be = None if compiling() else get_backend(xd)
-        if getattr(be, "has_quantize_step", False) and not (sync and update and ops.dist_world() > 1):
-            # eager CPU: range update + quantize in one kernel call, reading a row-strided x (q, k,
-            # v of a fused qkv projection) in place
-            xs, transposed = _memory_view(xd, allow_transposed=self.group_dim == "channel",
-                                          copy=False)
-            g, inner = self.groups_for(xs.shape)
+        be = None if compiling() else get_backend(x)
+        # eager CPU: range update + quantize in one kernel call, which reads a row-strided x (q,
+        # k, v of a fused qkv projection) in place
+        fused = getattr(be, "has_quantize_step", False) and not (sync and update and
+                                                                 ops.dist_world() > 1)
+        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel",
+                                      copy=not fused)
+        g, inner = self.groups_for(xs.shape)
+        if fused:
             stochastic = bool(self.stochastic)
             seed = ops.draw_seed(self._draws, name, update) if stochastic else 0
             packed, params, finite = be.quantize_step(
                 xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
                 self.range_mode == "batch", self.bits, update, seed, stochastic, mode == "skip")
-            if not finite and (mode == "raise" or name not in ops._WARNED):
+            if not finite and ops.must_report_nonfinite(mode, name):
                 ops._nonfinite(mode, name, tuple(xs.shape))
             return QTensor(packed, params[1], params[2], shape, dtype, self.bits, g, inner,
                            transposed)
-        xs, transposed = _memory_view(xd, allow_transposed=self.group_dim == "channel")
-        g, inner = self.groups_for(xs.shape)
         params = ops.range_update(xs, self.clip_val, self.shift, self.iteration, g, inner, d,
                                   self.range_mode == "batch", self.bits, update, mode, name, sync)
         inv, step, sh = params[0], params[1], params[2]
