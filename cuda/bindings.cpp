@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("range_update_cpu", &mesa::range_update_cpu,
         "running-range update in place; returns (4, G): inv, step, shift, finite");
   m.def("quantize_step_cpu", &mesa::quantize_step_cpu,
-        "range_update_cpu + quantize_cpu in one call: (packed, (4, G) rows, all finite)");
+        "range_update_cpu + quantize_cpu in one call, seeded from a draw counter: (packed, step, shift, all finite, (4, G) rows)");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

@@ -56,17 +56,18 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
 at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
                           int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                           at::ScalarType dtype);
-void dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
-                        int64_t bits, int64_t groups, int64_t inner, at::Tensor out);
+at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
+                              const at::Tensor& shift, int64_t bits, int64_t groups, int64_t inner,
+                              at::Tensor out);
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,
                             double one_minus_decay, bool batch_mode, int64_t bits,
                             bool update);
-std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
-    bool update, int64_t seed, bool stochastic, bool mark_nonfinite);
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite);
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

@@ -440,8 +440,9 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
   return out;
 }
 
-void dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
-                        int64_t bits, int64_t groups, int64_t inner, at::Tensor out) {
+at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
+                              const at::Tensor& shift, int64_t bits, int64_t groups, int64_t inner,
+                              at::Tensor out) {
   const int64_t numel = out.numel();
   check_dequantize_args(packed, step, shift, bits, groups, inner, numel);
   TORCH_CHECK(packed.device().is_cpu() && out.device().is_cpu(),
@@ -476,6 +477,7 @@ void dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step, const 
       }
     });
   });
+  return out;
 }
 
 
@@ -512,16 +514,39 @@ at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, 
   return out;
 }
 
+namespace {
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
 // One call for what a Mesa layer does to store an activation: range_update_cpu, then
 // quantize_cpu with the rows it returns (inv, shift), reading x twice (min/max, codes) but in
 // one dispatch and without copying a strided x. With mark_nonfinite, the shift of a non-finite
 // group is NaN in the returned rows and in the codes (as the Python path under nonfinite='skip').
-// Returns (packed codes, (4, G) rows, whether every group was finite).
-std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
+// The stochastic-rounding seed is that of mesa_ops.ops.make_seed: splitmix64(prefix ^ n) with
+// the 62 low bits kept, n = draws[0] (the quantizer's (1,) int64 draw counter, advanced by one
+// when `update`); `prefix` is ops.seed_prefix (its 64 bits passed as a signed integer).
+// Returns (packed codes, step (G,), shift (G,), whether every group was finite, (4, G) rows);
+// step and shift are rows 1 and 2.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
-    bool update, int64_t seed, bool stochastic, bool mark_nonfinite) {
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
+  TORCH_CHECK(draws.device().is_cpu() && draws.scalar_type() == at::kLong && draws.numel() == 1,
+              "mesa quantize_step_cpu: draws must be a (1,) int64 CPU tensor");
+  int64_t seed = 0;
+  if (stochastic) {
+    int64_t* n = draws.data_ptr<int64_t>();
+    seed = static_cast<int64_t>(
+        splitmix64(static_cast<uint64_t>(seed_prefix) ^ static_cast<uint64_t>(*n)) &
+        ((uint64_t{1} << 62) - 1));
+    if (update) *n += 1;
+  }
   auto params = at::empty({4, groups}, x.options().dtype(at::kFloat));
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
@@ -533,7 +558,7 @@ std::tuple<at::Tensor, at::Tensor, bool> quantize_step_cpu(
   auto packed = packed_for(x, bits);
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>());
-  return {packed, params, finite};
+  return {packed, params.select(0, 1), params.select(0, 2), finite, params};
 }
 
 }  // namespace mesa

@@ -52,3 +52,13 @@ def fp16_autocast(x: torch.Tensor) -> bool:
     """True under float16 autocast on ``x``'s device (where GradScaler skips non-finite steps)."""
     dev = x.device.type
     return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.float16
+
+
+def autocast_plan(op: str, x: torch.Tensor):
+    """None when autocast is off on ``x``'s device (the Function computes in ``x.dtype``, no
+    context needed), else (compute dtype of ``op``, fp16 autocast?) read before a Function
+    switches autocast off."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return None
+    return compute_dtype(op, x), fp16_autocast(x)

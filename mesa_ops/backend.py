@@ -115,8 +115,17 @@ class _Extension:
         self._d = getattr(ext, f"dequantize_{suffix}")
         self._m = getattr(ext, f"group_minmax_{suffix}")
         self._r = getattr(ext, f"range_update_{suffix}", None)
-        self._dout = getattr(ext, f"dequantize_out_{suffix}", None)
-        self._step = getattr(ext, f"quantize_step_{suffix}", None)
+        # the one-call paths, bound directly (no Python wrapper: they run once per activation)
+        #   quantize_step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+        #                 batch_mode, bits, update, seed_prefix, draws, stochastic,
+        #                 mark_nonfinite) -> (packed, step, shift, all finite, (4, G) rows):
+        #     range_update, then quantize with the seed ops.make_seed gives for draws[0]
+        #     (advanced when update), reading x in any layout (CPU)
+        #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
+        self.quantize_step = getattr(ext, f"quantize_step_{suffix}", None)
+        self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}", None)
+        self.has_quantize_step = self.quantize_step is not None
+        self.has_dequantize_out = self.dequantize_out is not None
 
     def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
         return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
@@ -126,25 +135,6 @@ class _Extension:
 
     def group_minmax(self, x, groups, inner):
         return self._m(x, groups, inner)
-
-    @property
-    def has_quantize_step(self) -> bool:
-        """True where one call does range_update + quantize (CPU), reading x in any layout."""
-        return self._step is not None
-
-    def quantize_step(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                      batch_mode, bits, update, seed, stochastic, mark_nonfinite):
-        """(packed, (4, G) rows, all finite): range_update then quantize with its rows."""
-        return self._step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                          batch_mode, bits, update, seed, stochastic, mark_nonfinite)
-
-    @property
-    def has_dequantize_out(self) -> bool:
-        return self._dout is not None
-
-    def dequantize_out(self, packed, step, shift, bits, groups, inner, out):
-        self._dout(packed, step, shift, bits, groups, inner, out)
-        return out
 
     def range_update(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
                      batch_mode, bits, update=True):
@@ -165,7 +155,10 @@ def _extension_backend(kind: str):
 
 
 def forced_backend() -> str | None:
-    name = os.environ.get("MESA_BACKEND", "").strip().lower()
+    name = os.environ.get("MESA_BACKEND")
+    if not name:
+        return None
+    name = name.strip().lower()
     if name and name not in BACKENDS:
         raise ValueError(f"MESA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
     return name or None
@@ -174,10 +167,10 @@ def forced_backend() -> str | None:
 def get_backend(t: torch.Tensor, name: str | None = None):
     """The backend for tensor ``t``: ``name`` if given, else $MESA_BACKEND, else by device."""
     name = name or forced_backend()
+    if name is None:  # the usual case, first
+        return _extension_backend("cuda" if t.is_cuda else "cpp")
     if name == "torch":
         return _Reference()
-    if name is None:
-        name = "cuda" if t.is_cuda else "cpp"
     if name == "cuda":
         if not t.is_cuda:
             raise BackendUnavailable(f"MESA_BACKEND=cuda but the tensor is on {t.device}")

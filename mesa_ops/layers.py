@@ -76,7 +76,10 @@ class Conv2d(_Layer, nn.Conv2d):
 
 
 class LayerNorm(_Layer, nn.LayerNorm):
-    """``nn.LayerNorm`` storing its input (..., C) at ``bits`` bits plus fp32 mean/rstd."""
+    """``nn.LayerNorm`` storing its normalized input x-hat = (x - mean) * rstd (..., C) at
+    ``bits`` bits plus the fp32 rstd: all its backward needs. A Mesa Linear fed by its output
+    (with the same bits and rounding) stores nothing more: it restores that output as
+    x-hat * weight + bias from the same bytes."""
 
     group_dim = "last"
 

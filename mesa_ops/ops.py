@@ -51,24 +51,44 @@ def make_seed(salt: int, count: int) -> int:
     """The seed of one stochastic rounding: a hash of torch's generator state (so
     ``torch.manual_seed`` fixes it; torch's generator is read, never drawn from, so its stream --
     dropout, drop-path -- is the same with Mesa on or off), Mesa's base, the layer's ``salt``
-    and its draw ``count``."""
-    z = _splitmix64(torch_fingerprint() ^ _splitmix64(int(_BASE[0]) ^ _splitmix64(salt)))
-    return _splitmix64(z ^ count) & _SEED_MASK
+    and its draw ``count``: ``splitmix64(seed_prefix(salt) ^ count)``, 62 bits."""
+    return _splitmix64(seed_prefix(salt) ^ count) & _SEED_MASK
+
+
+_SALT_MIX: dict = {}  # salt -> splitmix64(base ^ splitmix64(salt)) under the current base
+
+
+def seed_prefix(salt: int) -> int:
+    """The part of :func:`make_seed` that does not depend on the draw count (64 bits)."""
+    mix = _SALT_MIX.get(salt)
+    if mix is None:
+        mix = _SALT_MIX[salt] = _splitmix64(int(_BASE[0]) ^ _splitmix64(salt))
+    return _splitmix64(torch_fingerprint() ^ mix)
+
+
+def signed64(v: int) -> int:
+    """A 64-bit unsigned value as the int64 with the same bits (for a C++ int64_t argument)."""
+    return v - (1 << 64) if v >> 63 else v
 
 
 _SALTS: dict = {}  # layer name -> CRC-32 salt
 
 
-def draw_seed(draws: torch.Tensor, name: str, advance: bool) -> int:
-    """The seed of the next stochastic rounding of the quantizer named ``name`` whose (1,) int64
-    CPU draw counter is ``draws`` (advanced by one when ``advance``)."""
+def salt_of(name: str) -> int:
+    """The CRC-32 salt of the quantizer named ``name``."""
     salt = _SALTS.get(name)
     if salt is None:
         salt = _SALTS[name] = zlib.crc32(name.encode())
+    return salt
+
+
+def draw_seed(draws: torch.Tensor, name: str, advance: bool) -> int:
+    """The seed of the next stochastic rounding of the quantizer named ``name`` whose (1,) int64
+    CPU draw counter is ``draws`` (advanced by one when ``advance``)."""
     n = int(draws[0])
     if advance:
         draws[0] = n + 1
-    return make_seed(salt, n)
+    return make_seed(salt_of(name), n)
 
 
 def get_rng_state() -> torch.Tensor:
@@ -86,6 +106,7 @@ def set_rng_state(state) -> None:
         raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape {tuple(_BASE.shape)} "
                          f"from ms.get_rng_state(), got dtype {t.dtype} shape {tuple(t.shape)}")
     _BASE.copy_(t.cpu())
+    _SALT_MIX.clear()
 
 
 def dist_world() -> int:

@@ -86,25 +86,59 @@ class QTensor(NamedTuple):
     def restore(tensors, meta) -> torch.Tensor:
         packed, step, shift = tensors
         shape, dtype, bits, groups, inner, transposed = meta
-        numel = math.prod(shape)
         if compiling():
-            return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, numel, dtype),
-                           shape, transposed)
+            return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(),
+                                          dtype), shape, transposed)
         be = get_backend(packed)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
-        if getattr(be, "has_dequantize_out", False) and in_backward() and not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and getattr(be, "has_dequantize_out", False) and in_backward():
             flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
-                                     _workspace().acquire(numel, dtype))
-            out = flat.view(shape) if not transposed else None
-            if out is not None:
+                                     _workspace().acquire(shape.numel(), dtype))
+            if not transposed:
+                out = flat.view(shape)
                 out._mesa_ws = True
                 return out
         else:
-            flat = ops.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
+            flat = ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(), dtype)
         return _shaped(flat, shape, transposed)
 
     def dequantize(self) -> torch.Tensor:
         return QTensor.restore(self.tensors(), self.meta())
+
+
+class AffineQTensor(NamedTuple):
+    """A tensor stored as ``q.dequantize() * weight + bias`` along its last dim (``weight``,
+    ``bias``: (C,) or None): a LayerNorm's output, from the packed x-hat its backward keeps."""
+    q: QTensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def bits(self) -> int:
+        return self.q.bits
+
+    def tensors(self):
+        return self.q.tensors() + (self.weight, self.bias)
+
+    def meta(self):
+        return self.q.meta()
+
+    @staticmethod
+    def restore(tensors, meta) -> torch.Tensor:
+        out = QTensor.restore(tensors[:3], meta)
+        w, b = tensors[3], tensors[4]
+        if w is not None:
+            out = out.mul_(w)
+        if b is not None:
+            out = out.add_(b)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return AffineQTensor.restore(self.tensors(), self.meta())
 
 
 def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
@@ -193,6 +227,13 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def _layer_name(ctx) -> str:
+    """The layer a Function's ``ctx.mesa_name`` names: a string, or the quantizer / module
+    itself (described only when needed: the forward runs once per layer and step)."""
+    name = getattr(ctx, "mesa_name", "?")
+    return name if isinstance(name, str) else name.describe()
+
+
 def once_differentiable(fn):
     """``torch.autograd.function.once_differentiable`` with a message naming Mesa: a Mesa
     backward runs without recording a graph (its inputs are lossy packed copies), and a second
@@ -201,7 +242,9 @@ def once_differentiable(fn):
 
     @functools.wraps(fn)
     def wrapper(ctx, *args):
-        if compiling() or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # the usual backward (create_graph=False): as plain does
+            return fn(ctx, *args)
+        if compiling():
             return plain(ctx, *args)
         with torch.no_grad():
             outputs = fn(ctx, *args)
@@ -209,7 +252,7 @@ def once_differentiable(fn):
             return outputs
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         err = torch._C._functions.DelayedError(
-            f"mesa_ops: double backward through the Mesa layer {getattr(ctx, 'mesa_name', '?')} "
+            f"mesa_ops: double backward through the Mesa layer {_layer_name(ctx)} "
             "is not supported "
             "(it saved a lossy packed copy of its input and its backward is not differentiable); "
             "turn compression off for it (enable=False) to take gradients of gradients".encode(),
@@ -367,51 +410,83 @@ class QuantMixin:
             if t.dtype != torch.float32:
                 setattr(self, n, t.float())
 
+    def _state(self):
+        """(clip_val, shift, iteration), float32."""
+        bufs = self._buffers
+        clip, shift, it = bufs["clip_val"], bufs["shift"], bufs["iteration"]
+        if not (clip.dtype == shift.dtype == it.dtype == torch.float32):
+            self._state_fp32()
+            clip, shift, it = bufs["clip_val"], bufs["shift"], bufs["iteration"]
+        return clip, shift, it
+
     def _nonfinite_mode(self, amp16: bool) -> str:
         if self._nonfinite == "auto":
             return "skip" if amp16 else "raise"
         return self._nonfinite
 
-    @torch.no_grad()
+    def _salt(self) -> int:
+        """The CRC-32 salt of this quantizer's seeds (of :meth:`describe`; cached per name)."""
+        key = (self.layer_name, self.tag, self.index)
+        cached = self.__dict__.get("_salt_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        salt = ops.salt_of(self.describe())
+        self.__dict__["_salt_cache"] = (key, salt)
+        return salt
+
     def quantize(self, x: torch.Tensor, amp16: bool = False) -> QTensor:
         """Update the running range from ``x`` and return its packed copy (training only).
         ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips)."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._quantize(x, amp16)
+        return self._quantize(x, amp16)
+
+    def _quantize(self, x: torch.Tensor, amp16: bool) -> QTensor:
+        # runs once per stored activation: kept to few Python operations
         shape, dtype = x.shape, x.dtype
-        if self.range_mode not in ("ema", "batch"):
+        range_mode = self.range_mode
+        if range_mode != "ema" and range_mode != "batch":
             raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
-                             f"got {self.range_mode!r}")
-        self._state_fp32()
-        mode = self._nonfinite_mode(amp16)
+                             f"got {range_mode!r}")
+        mode = self._nonfinite
+        if mode == "auto":
+            mode = "skip" if amp16 else "raise"
         d = float(self.ema_decay)
+        bits = self._bits
         # in an activation-checkpoint recomputation the running estimates were already updated
         # by this step's forward: quantize with them, do not update them twice
         update = not in_backward()
-        name = self.describe()
-        sync = bool(self.dist_sync)
         be = None if compiling() else get_backend(x)
         # eager CPU: range update + quantize in one kernel call, which reads a row-strided x (q,
         # k, v of a fused qkv projection) in place
-        fused = getattr(be, "has_quantize_step", False) and not (sync and update and
-                                                                 ops.dist_world() > 1)
-        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel",
-                                      copy=not fused)
-        g, inner = self.groups_for(xs.shape)
+        fused = getattr(be, "has_quantize_step", False) and not (
+            self.dist_sync and update and ops.dist_world() > 1)
         if fused:
+            xs, transposed = _memory_view(x, allow_transposed=self.group_dim == "channel",
+                                          copy=False)
+            g, inner = self.groups_for(xs.shape)  # (may resize the state: read it after)
+            clip, shift, it = self._state()
             stochastic = bool(self.stochastic)
-            seed = ops.draw_seed(self._draws, name, update) if stochastic else 0
-            packed, params, finite = be.quantize_step(
-                xs, g, inner, self.clip_val, self.shift, self.iteration, d, 1.0 - d,
-                self.range_mode == "batch", self.bits, update, seed, stochastic, mode == "skip")
-            if not finite and ops.must_report_nonfinite(mode, name):
-                ops._nonfinite(mode, name, tuple(xs.shape))
-            return QTensor(packed, params[1], params[2], shape, dtype, self.bits, g, inner,
-                           transposed)
-        params = ops.range_update(xs, self.clip_val, self.shift, self.iteration, g, inner, d,
-                                  self.range_mode == "batch", self.bits, update, mode, name, sync)
+            prefix = ops.signed64(ops.seed_prefix(self._salt())) if stochastic else 0
+            packed, step, sh, finite, _ = be.quantize_step(
+                xs, g, inner, clip, shift, it, d, 1.0 - d, range_mode == "batch", bits, update,
+                prefix, self._draws, stochastic, mode == "skip")
+            if not finite:
+                name = self.describe()
+                if ops.must_report_nonfinite(mode, name):
+                    ops._nonfinite(mode, name, tuple(xs.shape))
+            return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
+        name = self.describe()
+        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel")
+        g, inner = self.groups_for(xs.shape)
+        clip, shift, it = self._state()
+        params = ops.range_update(xs, clip, shift, it, g, inner, d, range_mode == "batch", bits,
+                                  update, mode, name, bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
-        packed = ops.quantize(xs, inv, sh, self._draws, name, self.bits, g, inner,
+        packed = ops.quantize(xs, inv, sh, self._draws, name, bits, g, inner,
                               bool(self.stochastic), update)
-        return QTensor(packed, step, sh, shape, dtype, self.bits, g, inner, transposed)
+        return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
 
 
 _NO_DRAWS = torch.zeros(1, dtype=torch.int64)  # round-to-nearest packing draws nothing
@@ -442,16 +517,24 @@ def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True) -> None:
     t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic))
 
 
-def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None) -> QTensor | None:
+def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
+               affine: bool = False) -> QTensor | AffineQTensor | None:
     """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
     ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
-    ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared)."""
+    ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared).
+    With ``affine`` a LayerNorm's copy (x-hat, weight, bias: :class:`AffineQTensor`) is also
+    taken when bits and rounding match: its groups are the LayerNorm's, and it restores in the
+    LayerNorm's compute dtype (the caller casts)."""
     rec = getattr(t, "_mesa_saved", None)
     if rec is None:
         return None
     qt, version, stochastic = rec
     if (version is not None and version != t._version) or qt.shape != t.shape:
         return None
+    if isinstance(qt, AffineQTensor):
+        if not affine or isinstance(quant, int):
+            return None
+        return qt if qt.bits == quant.bits and stochastic == bool(quant.stochastic) else None
     if dtype is not None and qt.dtype != dtype:
         return None
     if isinstance(quant, int):
@@ -469,11 +552,14 @@ def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None) -> QTen
 
 
 def save_for_backward(ctx, *items) -> None:
-    """``ctx.save_for_backward`` for a mix of QTensor, Tensor and None items."""
+    """``ctx.save_for_backward`` for a mix of QTensor, AffineQTensor, Tensor and None items."""
     flat, layout = [], []
     for it in items:
         if isinstance(it, QTensor):
             layout.append(("q", len(flat), it.meta()))
+            flat.extend(it.tensors())
+        elif isinstance(it, AffineQTensor):
+            layout.append(("a", len(flat), it.meta()))
             flat.extend(it.tensors())
         elif it is None:
             layout.append(("none", 0, None))
@@ -493,6 +579,8 @@ def saved_tensors(ctx) -> list:
             out.append(QTensor.restore(flat[i:i + 3], meta))
         elif kind == "t":
             out.append(flat[i])
+        elif kind == "a":
+            out.append(AffineQTensor.restore(flat[i:i + 5], meta))
         else:
             out.append(None)
     return out

@@ -79,7 +79,9 @@ def test_compiles_in_one_graph_with_eager_bytes_gradients_and_state():
     assert not dynamo.utils.counters["graph_break"]
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation on step 2
     _compare(eager, compiled, exact=True)
-    assert float(compiled_model.block.fc1.iteration) == 3
+    blk = compiled_model.block
+    assert float(blk.fc2.iteration) == 3 and float(blk.norm2.iteration) == 3
+    assert float(blk.fc1.iteration) == 0  # it reused norm2's packed x-hat, also when compiled
 
 
 def test_custom_ops_registered_with_fake_implementations():

@@ -90,7 +90,11 @@ def test_channels_last_tokens_group_over_the_last_dim(layer):
     m.enable = True
     x = torch.randn(2, 5, 4, C, requires_grad=True)
     m(x).sum().backward()
-    rng, lo = _group_ranges(x.detach(), -1, G)
+    stored = x.detach()
+    if layer == "LayerNorm":  # it stores x-hat = (x - mean) * rstd
+        _, mean, rstd = torch.native_layer_norm(stored, (C,), None, None, m.eps)
+        stored = (stored - mean) * rstd
+    rng, lo = _group_ranges(stored, -1, G)
     torch.testing.assert_close(m.clip_val, rng, rtol=0, atol=0)
     torch.testing.assert_close(m.shift, lo, rtol=0, atol=0)
 

@@ -324,28 +324,42 @@ def test_cpp_reads_strided_inputs_in_place(cpp_backend, ref_backend, bits):
 @pytest.mark.parametrize("layout", ("q-of-qkv", "contiguous"))
 def test_cpp_quantize_step_equals_range_update_then_quantize(cpp_backend, ref_backend, layout):
     """The one-call CPU path (range update + quantize) == reference range_update, then reference
-    quantize with its rows: same state, rows, codes; a non-finite group is flagged and, with
+    quantize with its rows and the seed ops.make_seed gives for the draw counter: same state,
+    rows, codes, counter advanced once per update; a non-finite group is flagged and, with
     mark_nonfinite, gets a NaN shift."""
+    from mesa_ops import ops
+
     qkv = torch.randn(2, 29, 3 * 32)
     x = qkv[..., :32] if layout == "q-of-qkv" else torch.randn(2, 29, 32)
     g, inner = 4, 8
+    draws = torch.tensor([5], dtype=torch.int64)
+    salt = 1234
     for step in range(3):
         st1 = [torch.ones(g), torch.zeros(g), torch.full((1,), float(step))]
         st2 = [t.clone() for t in st1]
-        packed, rows, finite = cpp_backend.quantize_step(x, g, inner, *st1, 0.9, 0.1, False, 8,
-                                                         True, 1234 + step, True, True)
+        seed = ops.make_seed(salt, 5 + step)
+        prefix = ops.signed64(ops.seed_prefix(salt))
+        packed, stp, sh, finite, rows = cpp_backend.quantize_step(
+            x, g, inner, *st1, 0.9, 0.1, False, 8, True, prefix, draws, True, True)
+        assert int(draws[0]) == 6 + step
         ref = ref_backend.range_update(x.contiguous(), g, inner, *st2, 0.9, 0.1, False, 8, True)
         assert finite and torch.equal(rows, ref)
+        assert torch.equal(stp, ref[1]) and torch.equal(sh, ref[2])
         assert all(torch.equal(a, b) for a, b in zip(st1, st2))
         assert torch.equal(packed, ref_backend.quantize(x.contiguous(), ref[0], ref[2], 8, g,
-                                                        inner, 1234 + step, True))
+                                                        inner, seed, True))
+    # a recomputation (update=False) neither moves the state nor the counter
+    cpp_backend.quantize_step(x, g, inner, *st1, 0.9, 0.1, False, 8, False, prefix, draws, True,
+                              True)
+    assert int(draws[0]) == 8 and all(torch.equal(a, b) for a, b in zip(st1, st2))
     bad = x.contiguous().clone()
     bad[0, 0, 9] = float("nan")  # group 1
-    _, rows, finite = cpp_backend.quantize_step(bad, g, inner, torch.ones(g), torch.zeros(g),
-                                                torch.ones(1), 0.9, 0.1, False, 8, True, 1, True,
-                                                True)
+    _, _, sh, finite, rows = cpp_backend.quantize_step(
+        bad, g, inner, torch.ones(g), torch.zeros(g), torch.ones(1), 0.9, 0.1, False, 8, True, 1,
+        draws, True, True)
     assert not finite and rows[3].tolist() == [1.0, 0.0, 1.0, 1.0]
     assert torch.isnan(rows[2, 1]) and torch.isfinite(rows[2, [0, 2, 3]]).all()
+    assert torch.isnan(sh[1]) and torch.equal(sh[[0, 2, 3]], rows[2, [0, 2, 3]])
 
 
 # ---- backend selection ----------------------------------------------------------------------

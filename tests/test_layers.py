@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -339,8 +340,8 @@ def _expected_bytes(name, shapes, bits, groups=1):
     if name == "MatMul":
         return _packed(n, bits) + ss + _packed(math.prod(shapes[1]), bits) + ss
     extra = 0
-    if name == "LayerNorm":  # fp32 mean and rstd per normalized row
-        extra = 2 * 4 * (n // shapes[0][-1])
+    if name == "LayerNorm":  # fp32 rstd per normalized row (it stores x-hat: no mean)
+        extra = 4 * (n // shapes[0][-1])
     if name == "BatchNorm2d":  # fp32 batch mean and invstd per channel
         extra = 2 * 4 * shapes[0][1]
     return _packed(n, bits) + ss + extra
@@ -619,3 +620,44 @@ def test_cuda_forward_bit_identical_and_gradient_error(name):
         assert err <= bound, f"{name} grad {k}: {err:.3e}"
     got, _ = _meter(mesa, xs)
     assert got <= _expected_bytes(name, shapes, 8) + 64  # scale rows may differ on the GPU
+
+
+# ---- LayerNorm -> Linear: one stored copy ---------------------------------------------------
+def _norm_linear(bits_norm=8, bits_fc=8, affine=True):
+    torch.manual_seed(0)
+    norm, fc = ms.LayerNorm(32, elementwise_affine=affine, quant_groups=4), ms.Linear(32, 24)
+    if affine:
+        with torch.no_grad():  # a non-trivial affine, so restoring x-hat * weight + bias matters
+            norm.weight.uniform_(0.5, 2.0)
+            norm.bias.uniform_(-1.0, 1.0)
+    _enable(norm, bits_norm)
+    _enable(fc, bits_fc)
+    return nn.Sequential(norm, fc).train()
+
+
+@pytest.mark.parametrize("affine", (True, False))
+def test_linear_after_layernorm_reuses_its_copy(affine):
+    """A Linear fed by a Mesa LayerNorm stores nothing: it restores its input as the norm's
+    packed x-hat * weight + bias. Forward bit for bit, gradients within the 8-bit bound, bytes
+    those of the LayerNorm alone; with other bits the Linear stores its own copy."""
+    x = torch.rand(4, 50, 32) * 4 - 2
+    mesa = _norm_linear(affine=affine)
+    plain = copy.deepcopy(mesa)
+    ms.policy.set_mesa(plain, False)
+    y0, gy, g0 = run(plain, [x])
+    y1, _, g1 = run(mesa, [x], gy)
+    assert torch.equal(y1, y0)
+    for k in g0:
+        err = rel_err(g1[k], g0[k])
+        if k.endswith("bias"):  # sums of the output gradient: exact
+            assert err <= 1e-6, f"{k}: rel error {err:.3e}"
+        else:  # the input and both weights use the one packed copy
+            assert 1e-7 < err <= 1e-2, f"{k}: rel error {err:.3e}"
+    norm, fc = mesa[0], mesa[1]
+    assert float(norm.iteration) == 1 and float(fc.iteration) == 0
+    rows = 4 * 50
+    norm_bytes = _packed(rows * 32, 8) + _scale_bytes(4) + 4 * rows  # x-hat, its scales, rstd
+    assert _meter(mesa, [x])[0] == norm_bytes
+    other = _norm_linear(8, 4, affine)  # 4-bit Linear: its own 4-bit copy
+    assert _meter(other, [x])[0] == norm_bytes + _packed(rows * 32, 4) + _scale_bytes(1)
+    assert float(other[1].iteration) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import timm
@@ -196,10 +197,24 @@ def test_forward_backward_every_model(name):
     model = models.create_model(name, **kw).train()
     size = kw["img_size"]
     x = torch.randn(2, 3, size, size)
+    # the Linears fed by a Mesa LayerNorm's output reuse its packed x-hat (they store nothing)
+    norm_out, fed = {}, set()  # id -> weak reference (an id alone may be reused)
+
+    def fed_by_norm(n, x):
+        ref = norm_out.get(id(x))
+        if ref is not None and ref() is x:
+            fed.add(n)
+
+    hooks = [m.register_forward_hook(lambda m, i, o: norm_out.__setitem__(id(o), weakref.ref(o)))
+             for m in model.modules() if isinstance(m, ms.LayerNorm)]
+    hooks += [m.register_forward_pre_hook(lambda m, i, n=n: fed_by_norm(n, i[0]))
+              for n, m in model.named_modules() if isinstance(m, ms.Linear)]
     for mesa in (False, True):
         if mesa:
             models.apply_policy(model, "mesa8")
         model.zero_grad(set_to_none=True)
+        norm_out.clear()
+        fed.clear()
         out = model(x)
         outs = out if isinstance(out, tuple) else (out,)
         assert all(o.shape == (2, 1000) for o in outs)
@@ -215,7 +230,10 @@ def test_forward_backward_every_model(name):
     stale, once = [], []
     proj = {f"{n}.proj" for n, m in model.named_modules() if isinstance(m, AttentionOps)}
     for n, m in model.named_modules():
-        if isinstance(m, (ms.Linear, ms.LayerNorm, ms.GELU)) and n not in proj:
+        if isinstance(m, ms.Linear) and n in fed:
+            assert float(m.iteration) == 0, f"{name}: {n} stored a copy of a LayerNorm output"
+            qs = []
+        elif isinstance(m, (ms.Linear, ms.LayerNorm, ms.GELU)) and n not in proj:
             qs = [(n, m)]
         elif isinstance(m, ms.SDPA):
             qs = [(f"{n}.quant_{c}", getattr(m, f"quant_{c}")) for c in "qkv"]
@@ -225,6 +243,9 @@ def test_forward_backward_every_model(name):
         stale += [qn for qn, q in qs if q.enable and float(q.iteration) != 1]
     assert not stale, f"{name}: enabled quantizers that did not run: {stale[:10]}"
     assert once and all(c == 1 for c in once), f"{name}: attention output stored {once} times"
+    assert fed, f"{name}: no Linear reused a LayerNorm's copy"
+    for h in hooks:
+        h.remove()
     model.eval()
     with torch.no_grad():
         assert model(x).shape == (2, 1000)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import compute_dtype, fp16_autocast, no_autocast
+from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..quant import (QTensor, attach_saved, once_differentiable, pack_mask, release, save_for_backward,
                      saved_tensors)
 
@@ -13,10 +13,10 @@ from ..quant import (QTensor, attach_saved, once_differentiable, pack_mask, rele
 class _GELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16):
-        xc = x.to(cdt)
+        xc = x if x.dtype == cdt else x.to(cdt)
         y = F.gelu(xc, approximate=approximate)
         save_for_backward(ctx, quant.quantize(xc, amp16))
-        ctx.mesa_name = quant.describe()
+        ctx.mesa_name = quant
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
         return y
 
@@ -24,16 +24,19 @@ class _GELU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy):
         (xh,) = saved_tensors(ctx)
-        gx = torch.ops.aten.gelu_backward(gy.to(ctx.cdt), xh, approximate=ctx.approximate)
+        cdt = ctx.cdt
+        gx = torch.ops.aten.gelu_backward(gy if gy.dtype == cdt else gy.to(cdt), xh,
+                                          approximate=ctx.approximate)
         release(xh)
-        return gx.to(ctx.x_dtype), None, None, None, None
+        return gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
-    cdt = compute_dtype("gelu", x)
-    amp16 = fp16_autocast(x)  # read before autocast is switched off
+    plan = autocast_plan("gelu", x)
+    if plan is None:
+        return _GELU.apply(x, approximate, quant, x.dtype, False)
     with no_autocast(x):
-        return _GELU.apply(x, approximate, quant, cdt, amp16)
+        return _GELU.apply(x, approximate, quant, *plan)
 
 
 class _Softmax(torch.autograd.Function):

@@ -46,11 +46,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return _probe_dtype(dev, torch.get_autocast_dtype(dev), x.dtype)
 
 
+def _as(t, dtype):
+    """``t`` in ``dtype`` (None stays None; no op when it already is)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 def build_mask(bias, window_mask, batch: int, dtype):
     """The additive mask as the models pass it to SDPA: ``bias`` (broadcastable to (B, H, N, M))
     or, with ``window_mask`` (W, N, M), (W, H, N, M) for 5-D (B // W, W, H, N, D) inputs."""
     if window_mask is None:
-        return None if bias is None else bias.to(dtype)
+        return _as(bias, dtype)
     if batch % window_mask.shape[0]:
         raise ValueError(f"mesa SDPA: batch {batch} is not a multiple of the {window_mask.shape[0]} "
                          "windows of window_mask")
@@ -111,7 +116,7 @@ def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
-        qc, kc, vc = q.to(cdt), k.to(cdt), v.to(cdt)
+        qc, kc, vc = _as(q, cdt), _as(k, cdt), _as(v, cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
         extra = ()
@@ -138,7 +143,7 @@ class _SDPA(torch.autograd.Function):
         qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
         save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
                           _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
-        ctx.mesa_name = mod.describe()
+        ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
@@ -153,8 +158,7 @@ class _SDPA(torch.autograd.Function):
         lse, bias, window_mask = items[4:7]
         extra = items[7:]
         cdt, scale = ctx.cdt, ctx.scale
-        g = head_layout(gy, ctx.heads) if ctx.merge else gy
-        g = g.to(cdt)
+        g = _as(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
         gbias = None
         am = build_mask(bias, window_mask, qh.shape[0], cdt)
         if ctx.choice == FLASH and qh.device.type == "cpu":
@@ -187,7 +191,7 @@ class _SDPA(torch.autograd.Function):
                 gbias = grads[3]
         release(qh, kh, vh, oh)
         dq, dk, dv, db = ctx.dtypes
-        return (gq.to(dq), gk.to(dk), gv.to(dv), None if gbias is None else gbias.to(db),
+        return (_as(gq, dq), _as(gk, dk), _as(gv, dv), _as(gbias, db),
                 None, None, None, None, None, None, None)
 
 
@@ -207,13 +211,16 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
     else:
         am = build_mask(bias, None, q.shape[0], cdt)
-        choice = sdp_choice(q.to(cdt), k.to(cdt), v.to(cdt), am, 0.0, scale)
+        choice = sdp_choice(_as(q, cdt), _as(k, cdt), _as(v, cdt), am, 0.0, scale)
         if choice == CUDNN:  # not wrapped here: the flash / memory-efficient kernel instead (same
             # math, not necessarily the same bits as F.scaled_dot_product_attention's cuDNN kernel)
             choice = FLASH if am is None and cdt in (torch.float16, torch.bfloat16) else EFFICIENT
-    amp16 = fp16_autocast(q)  # read before autocast is switched off
-    with no_autocast(q):
-        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16)
+    if cdt == q.dtype and not torch.is_autocast_enabled(q.device.type):
+        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False)
+    else:
+        amp16 = fp16_autocast(q)  # read before autocast is switched off
+        with no_autocast(q):
+            y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16)
     node = y.grad_fn
     qo = getattr(node, "mesa_qo", None)
     if qo is not None:

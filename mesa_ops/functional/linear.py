@@ -4,21 +4,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import compute_dtype, fp16_autocast, no_autocast
+from ..amp import autocast_plan, no_autocast
 from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quant, cdt, amp16):
-        xc = x.to(cdt)
-        y = F.linear(xc, weight.to(cdt), None if bias is None else bias.to(cdt))
-        # e.g. the packed output of a Mesa SDPA (stored once) when it is what quant would store
-        qx = find_saved(x, quant, dtype=xc.dtype)
+        xc = x if x.dtype == cdt else x.to(cdt)
+        w = weight if weight.dtype == cdt else weight.to(cdt)
+        y = F.linear(xc, w, bias if bias is None or bias.dtype == cdt else bias.to(cdt))
+        # the packed output of a Mesa SDPA or the packed x-hat of a Mesa LayerNorm (stored once)
+        # when it is what quant would store
+        qx = find_saved(x, quant, dtype=xc.dtype, affine=True)
         if qx is None:
             qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx, weight)
-        ctx.mesa_name = quant.describe()
+        ctx.mesa_name = quant  # (described only for an error message)
         ctx.cdt, ctx.x_dtype, ctx.has_bias = cdt, x.dtype, bias is not None
         ctx.b_dtype = None if bias is None else bias.dtype
         return y
@@ -27,14 +29,19 @@ class _Linear(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy):
         xh, weight = saved_tensors(ctx)
-        g = gy.to(ctx.cdt)
+        cdt = ctx.cdt
+        g = gy if gy.dtype == cdt else gy.to(cdt)
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = g.matmul(weight.to(ctx.cdt)).to(ctx.x_dtype)
+        need = ctx.needs_input_grad
+        if need[0]:
+            gx = g.matmul(weight if weight.dtype == cdt else weight.to(cdt))
+            gx = gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype)
         g2 = g.reshape(-1, g.shape[-1])
-        if ctx.needs_input_grad[1]:
-            gw = g2.t().matmul(xh.reshape(-1, xh.shape[-1]).to(ctx.cdt)).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if need[1]:
+            x2 = xh.reshape(-1, xh.shape[-1])
+            gw = g2.t().matmul(x2 if x2.dtype == cdt else x2.to(cdt))
+            gw = gw if gw.dtype == weight.dtype else gw.to(weight.dtype)
+        if ctx.has_bias and need[2]:
             gb = g2.sum(0).to(ctx.b_dtype)
         release(xh)
         return gx, gw, gb, None, None, None
@@ -42,7 +49,8 @@ class _Linear(torch.autograd.Function):
 
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:
     """y = x W^T + b for x (..., in) -> (..., out); stores x at ``quant.bits`` bits."""
-    cdt = compute_dtype("linear", x)
-    amp16 = fp16_autocast(x)  # read before autocast is switched off
+    plan = autocast_plan("linear", x)
+    if plan is None:
+        return _Linear.apply(x, weight, bias, quant, x.dtype, False)
     with no_autocast(x):
-        return _Linear.apply(x, weight, bias, quant, cdt, amp16)
+        return _Linear.apply(x, weight, bias, quant, *plan)

@@ -1,11 +1,13 @@
-"""LayerNorm (packed input + fp32 mean/rstd) and BatchNorm2d (packed input + per-channel batch
-statistics), with aten's own backward kernels on the dequantized input."""
+"""LayerNorm (packed normalized input x-hat + fp32 rstd, shared with the next Mesa Linear) and
+BatchNorm2d (packed input + per-channel batch statistics), with aten's own backward kernels on
+the dequantized tensors."""
 from __future__ import annotations
 
 import torch
 
-from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..quant import once_differentiable, release, save_for_backward, saved_tensors
+from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..quant import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable, release, save_for_backward,
+                     saved_tensors)
 
 
 def _cast_params(cdt, x, *params):
@@ -15,40 +17,74 @@ def _cast_params(cdt, x, *params):
     return tuple(None if p is None else p.to(cdt) for p in params)
 
 
+def _as(t, dtype):
+    """``t`` in ``dtype`` (None stays None)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
 class _LayerNorm(torch.autograd.Function):
+    """y = x-hat * weight + bias, x-hat = (x - mean) * rstd over the normalized dims.
+
+    Saves x-hat (packed; computed in float32 or wider) and rstd, which is all the backward
+    needs: with x-hat as the input, mean 0 and rstd 1, aten's backward gives the weight and bias
+    gradients as they are and the input gradient divided by rstd. The packed x-hat also goes out
+    (as Softmax's packed output does, so torch.compile sees it) for the Linear fed by y, which
+    then stores no second copy: it restores y as x-hat * weight + bias."""
+
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16):
-        xc = x.to(cdt)
+        xc = x if x.dtype == cdt else x.to(cdt)
         w, b = _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
-        save_for_backward(ctx, quant.quantize(xc, amp16), mean, rstd, w, b)
-        ctx.mesa_name = quant.describe()
+        xw = xc if xc.dtype in _WIDE else xc.float()
+        qx = quant.quantize(torch.sub(xw, mean).mul_(rstd), amp16)
+        save_for_backward(ctx, qx, rstd, w, b)
+        ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        return y
+        packed = qx.tensors() if isinstance(qx, QTensor) else ()
+        ctx.mark_non_differentiable(*packed)
+        if compiling():  # dynamo lets attributes be set on a single-output op's result only
+            y = y.view_as(y)
+        return (y,) + packed
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gy):
-        xh, mean, rstd, w, b = saved_tensors(ctx)
+    def backward(ctx, gy, *unused):
+        xh, rstd, w, b = saved_tensors(ctx)
         need = ctx.needs_input_grad
+        cdt = ctx.cdt
+        g = gy if gy.dtype == cdt else gy.to(cdt)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            gy.to(ctx.cdt), xh, ctx.normalized_shape, mean, rstd, w, b,
-            [need[0], w is not None and need[2], b is not None and need[3]])
+            g, _as(xh, cdt), ctx.normalized_shape, torch.zeros_like(rstd), torch.ones_like(rstd),
+            w, b, [need[0], w is not None and need[2], b is not None and need[3]])
         release(xh)
-        gx = gx.to(ctx.x_dtype) if gx is not None else None
-        gw = gw.to(ctx.p_dtypes[0]) if gw is not None else None
-        gb = gb.to(ctx.p_dtypes[1]) if gb is not None else None
-        return gx, None, gw, gb, None, None, None, None
+        gx = _as(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
+        return (gx, None, _as(gw, ctx.p_dtypes[0]), _as(gb, ctx.p_dtypes[1]), None, None, None,
+                None)
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor:
-    """LayerNorm over the trailing ``normalized_shape`` dims of x (..., C)."""
-    cdt = compute_dtype("layer_norm", x)
-    amp16 = fp16_autocast(x)  # read before autocast is switched off
-    with no_autocast(x):
-        return _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, cdt,
-                                amp16)
+    """LayerNorm over the trailing ``normalized_shape`` dims of x (..., C). The output carries
+    the packed x-hat (with weight and bias) for the next Mesa Linear to reuse."""
+    plan = autocast_plan("layer_norm", x)
+    cdt = x.dtype if plan is None else plan[0]
+    if plan is None:
+        y, *packed = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, cdt,
+                                      False)
+    else:
+        with no_autocast(x):
+            y, *packed = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant,
+                                          *plan)
+    if packed:
+        g, inner = quant.groups_for(y.shape)
+        qdt = cdt if cdt in _WIDE else torch.float32
+        qx = QTensor(*packed, y.shape, qdt, quant.bits, g, inner, False)
+        attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic)
+    return y
 
 
 class _BatchNorm(torch.autograd.Function):
