@@ -16,6 +16,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 torch::python::detail::py_object_to_dtype(dtype));
   });
   m.def("dequantize_out_cpu", &mesa::dequantize_out_cpu, "dequantize into a contiguous CPU tensor");
+  m.def("lut_apply_out_cpu", &mesa::lut_apply_out_cpu,
+        "out = table[group][code] (* mul): a function of a stored tensor through a per-group table",
+        py::arg("packed"), py::arg("table"), py::arg("bits"), py::arg("groups"), py::arg("inner"),
+        py::arg("out"), py::arg("mul") = py::none());
+  m.def("levels_cpu", [](const at::Tensor& st, const at::Tensor& sh, int64_t bits, py::object dtype) {
+    return mesa::levels_cpu(st, sh, bits, torch::python::detail::py_object_to_dtype(dtype));
+  }, "(G, 2^bits) values each group's codes dequantize to");
   m.def("group_minmax_cpu", &mesa::group_minmax_cpu, "per-group (min, max) as a (2, G) float tensor");
   m.def("range_update_cpu", &mesa::range_update_cpu,
         "running-range update in place; returns (4, G): inv, step, shift, finite");

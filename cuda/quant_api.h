@@ -59,6 +59,11 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
 at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
                               const at::Tensor& shift, int64_t bits, int64_t groups, int64_t inner,
                               at::Tensor out);
+at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
+                             int64_t groups, int64_t inner, at::Tensor out,
+                             const std::optional<at::Tensor>& mul);
+at::Tensor levels_cpu(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
+                      at::ScalarType dtype);
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,

@@ -2,6 +2,7 @@
 // Parallel over tiles of elements with at::parallel_for; inside a tile, runs of one group are
 // processed with constant scale/shift so the compiler can vectorise the loop.
 #include <torch/extension.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -480,6 +481,114 @@ at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
   return out;
 }
 
+
+#if defined(__AVX2__)
+namespace {
+// Elements [s, e) of one group run (global indices; codes cc and out/mul at element s): 8 at a
+// time, the table read by a gather; the product as the scalar loop takes it. Returns where it
+// stopped (float only: other types return s, for the scalar loop).
+template <typename T>
+inline int64_t lut_run_avx2(const T*, const uint8_t*, const T*, T*, int64_t s, int64_t) {
+  return s;
+}
+template <>
+inline int64_t lut_run_avx2<float>(const float* tg, const uint8_t* cc, const float* mp, float* op,
+                                   int64_t s, int64_t e) {
+  int64_t i = s;
+  for (; i + 8 <= e; i += 8) {
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cc + (i - s))));
+    __m256 v = _mm256_i32gather_ps(tg, idx, 4);
+    if (mp != nullptr) v = _mm256_mul_ps(_mm256_loadu_ps(mp + i), v);
+    _mm256_storeu_ps(op + i, v);
+  }
+  return i;
+}
+}  // namespace
+#endif
+
+// out = table[g][code] (times mul, elementwise, when given): a function of the stored tensor
+// restored from its codes through a 2^bits-entry table per group (Mesa GELU: its output for the
+// next Linear, its derivative for its own backward). table (G, 2^bits), mul and out: out's dtype;
+// mul and out contiguous. The product is taken in the op-math type (float for fp16/bf16), as
+// torch's mul does.
+at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
+                             int64_t groups, int64_t inner, at::Tensor out,
+                             const std::optional<at::Tensor>& mul) {
+  const int64_t numel = out.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu(),
+              "mesa lut_apply: packed must be a contiguous uint8 CPU tensor");
+  check_bits("lut_apply", bits);
+  check_group_args("lut_apply", numel, groups, inner);
+  const int b = static_cast<int>(bits);
+  const int per = 8 / b;
+  const int64_t levels = int64_t{1} << b;
+  TORCH_CHECK(packed.numel() == (numel + per - 1) / per, "mesa lut_apply: packed has ",
+              packed.numel(), " bytes, expected ", (numel + per - 1) / per);
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "mesa lut_apply: out must be a contiguous CPU tensor");
+  TORCH_CHECK(table.device().is_cpu() && table.is_contiguous() && table.scalar_type() == out.scalar_type() &&
+                  table.dim() == 2 && table.size(0) == groups && table.size(1) == levels,
+              "mesa lut_apply: table must be a contiguous (", groups, ", ", levels, ") CPU tensor of out's dtype");
+  const bool has_mul = mul.has_value() && mul->defined();
+  if (has_mul)
+    TORCH_CHECK(mul->device().is_cpu() && mul->is_contiguous() && mul->numel() == numel &&
+                    mul->scalar_type() == out.scalar_type(),
+                "mesa lut_apply: mul must be a contiguous CPU tensor of out's dtype and size");
+  const uint8_t* in = packed.data_ptr<uint8_t>();
+  const int64_t ntiles = (numel + kTile - 1) / kTile;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_lut_apply_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t* tab = table.data_ptr<scalar_t>();
+    const scalar_t* mp = has_mul ? mul->data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t begin = t * kTile;
+        const int64_t end = std::min(numel, begin + kTile);
+        const uint8_t* c = in + begin;
+        if (b != 8) {
+          unpack_codes(in + begin / per, end - begin, b, codes.data());
+          c = codes.data();
+        }
+        for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t e, int64_t g) {
+          const scalar_t* tg = tab + g * levels;
+          const uint8_t* cc = c + (s - begin);
+          int64_t i = s;
+#if defined(__AVX2__)
+          i = lut_run_avx2<scalar_t>(tg, cc, mp, op, s, e);
+#endif
+          if (mp != nullptr) {
+            for (; i < e; ++i)
+              op[i] = static_cast<scalar_t>(static_cast<acc_t>(mp[i]) * static_cast<acc_t>(tg[cc[i - s]]));
+          } else {
+            for (; i < e; ++i) op[i] = tg[cc[i - s]];
+          }
+        });
+      }
+    });
+  });
+  return out;
+}
+
+// (G, 2^bits): the value each code of each group dequantizes to (code * step + shift, exactly
+// as dequantize_out_cpu computes it), in dtype: the arguments of a table for lut_apply_out_cpu.
+at::Tensor levels_cpu(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
+                      at::ScalarType dtype) {
+  check_bits("levels", bits);
+  const int64_t groups = step.numel();
+  check_params("levels", step, shift, groups, step.device());
+  const int64_t levels = int64_t{1} << bits;
+  auto out = at::empty({groups, levels}, step.options().dtype(dtype));
+  const float* st = step.data_ptr<float>();
+  const float* sh = shift.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mesa_levels_cpu", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t q = 0; q < levels; ++q)
+        o[g * levels + q] = static_cast<scalar_t>(dequantize_one(static_cast<uint32_t>(q), st[g], sh[g]));
+  });
+  return out;
+}
 
 at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
                           int64_t bits, int64_t groups, int64_t inner, int64_t numel,

@@ -124,6 +124,11 @@ class _Extension:
         #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}", None)
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}", None)
+        #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None) -> out:
+        #     out = table[group][code] (* mul) (CPU; reference.lut_apply elsewhere)
+        self.lut_apply_out = getattr(ext, f"lut_apply_out_{suffix}", None)
+        #   levels(step, shift, bits, dtype) -> (G, 2^bits) dequantized values (reference.levels)
+        self.levels = getattr(ext, f"levels_{suffix}", None)
         self.has_quantize_step = self.quantize_step is not None
         self.has_dequantize_out = self.dequantize_out is not None
 

@@ -19,6 +19,7 @@ directly (no dispatcher overhead).
 """
 from __future__ import annotations
 
+import ctypes
 import warnings
 import zlib
 
@@ -41,10 +42,18 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+_BYTES: dict = {}  # state size -> ctypes char array type (reads the state without torch ops)
+
+
 def torch_fingerprint() -> int:
     """A 32-bit fingerprint (CRC-32) of torch's default (CPU) generator state, read without
     drawing from it."""
-    return zlib.crc32(torch.default_generator.get_state().numpy())
+    state = torch.default_generator.get_state()  # a fresh uint8 CPU tensor
+    n = state.numel()
+    buf = _BYTES.get(n)
+    if buf is None:
+        buf = _BYTES[n] = ctypes.c_char * n
+    return zlib.crc32(buf.from_address(state.data_ptr()))
 
 
 def make_seed(salt: int, count: int) -> int:

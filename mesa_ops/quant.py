@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd import function as _autograd_function
 
-from . import ops
+from . import ops, reference
 from .backend import get_backend
 
 _log = logging.getLogger("mesa_ops")
@@ -139,6 +139,81 @@ class AffineQTensor(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         return AffineQTensor.restore(self.tensors(), self.meta())
+
+
+def _gelu_table(levels: torch.Tensor, approximate: str) -> torch.Tensor:
+    return torch.nn.functional.gelu(levels, approximate=approximate)
+
+
+# elementwise functions a stored tensor can be restored through: name -> f(levels, *args)
+TABLE_FNS = {"gelu": _gelu_table}
+
+
+class MappedQTensor(NamedTuple):
+    """A tensor stored as f(x) of a packed x, f elementwise (GELU's output, from the packed
+    input the GELU keeps for its own backward): restored through a table of f at the 2^bits
+    values each group's codes take, so f is computed 2^bits times per group, not per element.
+    ``fn``: (name in :data:`TABLE_FNS`, *args)."""
+    q: QTensor
+    fn: tuple
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def bits(self) -> int:
+        return self.q.bits
+
+    def tensors(self):
+        return self.q.tensors()
+
+    def meta(self):
+        return self.q.meta() + (self.fn,)
+
+    @staticmethod
+    def restore(tensors, meta) -> torch.Tensor:
+        packed, step, shift = tensors
+        dtype, bits = meta[1], meta[2]
+        name, *args = meta[6]
+        table = TABLE_FNS[name](levels(step, shift, bits, dtype), *args)
+        return apply_table(tensors, meta[:6], table)
+
+    def dequantize(self) -> torch.Tensor:
+        return MappedQTensor.restore(self.tensors(), self.meta())
+
+
+def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """(G, 2^bits): the values each group's codes dequantize to, in ``dtype`` (the kernel's
+    one call on CPU, reference.levels elsewhere and while compiling)."""
+    be = None if compiling() else get_backend(step)
+    kernel = getattr(be, "levels", None)
+    if kernel is None:
+        return reference.levels(step, shift, bits, dtype)
+    return kernel(step, shift, bits, dtype)
+
+
+def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[group][code]`` of a packed tensor (``tensors``/``meta`` of a QTensor), times
+    ``mul`` when given, shaped as the stored tensor: (G, 2^bits) ``table`` of the result dtype.
+    Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it)."""
+    packed, step, shift = tensors
+    shape, dtype, bits, groups, inner, transposed = meta
+    if transposed:
+        raise ValueError("mesa apply_table: a transposed packed copy has no table path")
+    numel = shape.numel()
+    be = None if compiling() else get_backend(packed)
+    kernel = getattr(be, "lut_apply_out", None)
+    if kernel is None:
+        return reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape)
+    ws = mul is None and not torch.is_grad_enabled() and in_backward()
+    out = (_workspace().acquire(numel, table.dtype) if ws
+           else torch.empty(numel, dtype=table.dtype, device=packed.device))
+    out = kernel(packed, table, bits, groups, inner, out,
+                 None if mul is None else mul.contiguous()).view(shape)
+    if ws:
+        out._mesa_ws = True
+    return out
 
 
 def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
@@ -518,21 +593,22 @@ def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True) -> None:
 
 
 def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
-               affine: bool = False) -> QTensor | AffineQTensor | None:
+               derived: bool = False) -> QTensor | AffineQTensor | MappedQTensor | None:
     """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
     ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
     ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared).
-    With ``affine`` a LayerNorm's copy (x-hat, weight, bias: :class:`AffineQTensor`) is also
-    taken when bits and rounding match: its groups are the LayerNorm's, and it restores in the
-    LayerNorm's compute dtype (the caller casts)."""
+    With ``derived`` a copy that restores ``t`` from another layer's packed tensor is also taken
+    when bits and rounding match (a LayerNorm's x-hat with its weight and bias:
+    :class:`AffineQTensor`; a GELU's input through GELU: :class:`MappedQTensor`): its groups
+    are that layer's, and it restores in that layer's compute dtype (the caller casts)."""
     rec = getattr(t, "_mesa_saved", None)
     if rec is None:
         return None
     qt, version, stochastic = rec
     if (version is not None and version != t._version) or qt.shape != t.shape:
         return None
-    if isinstance(qt, AffineQTensor):
-        if not affine or isinstance(quant, int):
+    if isinstance(qt, (AffineQTensor, MappedQTensor)):
+        if not derived or isinstance(quant, int):
             return None
         return qt if qt.bits == quant.bits and stochastic == bool(quant.stochastic) else None
     if dtype is not None and qt.dtype != dtype:
@@ -561,6 +637,9 @@ def save_for_backward(ctx, *items) -> None:
         elif isinstance(it, AffineQTensor):
             layout.append(("a", len(flat), it.meta()))
             flat.extend(it.tensors())
+        elif isinstance(it, MappedQTensor):
+            layout.append(("m", len(flat), it.meta()))
+            flat.extend(it.tensors())
         elif it is None:
             layout.append(("none", 0, None))
         else:
@@ -581,8 +660,27 @@ def saved_tensors(ctx) -> list:
             out.append(flat[i])
         elif kind == "a":
             out.append(AffineQTensor.restore(flat[i:i + 5], meta))
+        elif kind == "m":
+            out.append(MappedQTensor.restore(flat[i:i + 3], meta))
         else:
             out.append(None)
+    return out
+
+
+def saved_packed(ctx) -> list:
+    """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
+    backward that reads its stored tensor through a table, without dequantizing it)."""
+    flat = ctx.saved_tensors
+    out = []
+    for kind, i, meta in ctx.mesa_layout:
+        if kind == "q":
+            out.append(QTensor(*flat[i:i + 3], *meta))
+        elif kind == "t":
+            out.append(flat[i])
+        elif kind == "none":
+            out.append(None)
+        else:
+            raise ValueError(f"mesa saved_packed: item kind {kind!r} has no packed form here")
     return out
 
 

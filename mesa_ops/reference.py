@@ -121,3 +121,20 @@ def dequantize(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bi
     q = unpack_codes(packed, bits, numel).to(torch.float32)
     g = group_index(numel, groups, inner, packed.device)
     return (q * step.float()[g] + shift.float()[g]).to(dtype)
+
+
+def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """(G, 2^bits): every value a group's codes dequantize to, code * step + shift (fp32, as the
+    kernels compute it), in ``dtype``."""
+    q = torch.arange(1 << bits, dtype=torch.float32, device=step.device)
+    return (q.unsqueeze(0) * step.float().unsqueeze(1) + shift.float().unsqueeze(1)).to(dtype)
+
+
+def lut_apply(packed: torch.Tensor, table: torch.Tensor, bits: int, groups: int, inner: int,
+              numel: int, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat (numel,) ``table[group][code]`` (times ``mul`` when given): a function of a stored
+    tensor read off a (G, 2^bits) table per group instead of computed per element."""
+    q = unpack_codes(packed, bits, numel).long()
+    g = group_index(numel, groups, inner, packed.device)
+    v = table.reshape(-1)[g * (1 << bits) + q]
+    return v if mul is None else mul.reshape(-1) * v

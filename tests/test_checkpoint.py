@@ -143,11 +143,11 @@ def test_original_mesa_checkpoint(tmp_path):
     assert torch.equal(dst.blocks[0].mlp.act.shift, sd["blocks.0.mlp.act.shift"])
     assert float(dst.head.iteration) == 1250
     # the running estimates continue from the checkpoint (EMA, not a fresh first-step range)
-    # (fc2: qkv and fc1 reuse the LayerNorms' packed copies and store nothing themselves)
-    clip = dst.blocks[0].mlp.fc2.clip_val.clone()
+    # (the head: qkv, fc1 and fc2 reuse the packed copies of the LayerNorms and the GELU)
+    clip = dst.head.clip_val.clone()
     train_step(dst, torch.randn(2, 3, 32, 32))
-    assert float(dst.blocks[0].mlp.fc2.iteration) == 1251
-    assert not torch.equal(dst.blocks[0].mlp.fc2.clip_val, clip)
+    assert float(dst.head.iteration) == 1251
+    assert not torch.equal(dst.head.clip_val, clip)
 
 
 def test_quantizer_state_into_plain_model_is_ignored_and_reported():

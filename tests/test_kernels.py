@@ -473,3 +473,32 @@ def test_cuda_extension_compiles_without_gpu(tmp_path):
     assert "WITH_CUDA True" in proc.stdout, log
     for f in ("quantize_cuda", "dequantize_cuda", "group_minmax_cuda", "quantize_cpu"):
         assert f"HAS {f} True" in proc.stdout, log
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_cpp_table_lookup_equals_reference(cpp_backend, bits, dtype):
+    """table[group][code] (times mul) of packed codes: the C++ kernel == reference.lut_apply bit
+    for bit (odd sizes, groups that split rows), and a table of the levels themselves is the
+    plain dequantization."""
+    torch.manual_seed(bits)
+    g, inner, outer = 3, 7, 11
+    n = outer * g * inner
+    x = torch.randn(n)
+    st = [torch.ones(g), torch.zeros(g), torch.zeros(1)]
+    rows = reference.range_update(x, g, inner, *st, 0.9, 0.1, False, bits, True)
+    packed = reference.quantize(x, rows[0], rows[2], bits, g, inner, 5, True)
+    levels = reference.levels(rows[1], rows[2], bits, dtype)
+    assert levels.shape == (g, 1 << bits) and levels.dtype == dtype
+    assert torch.equal(cpp_backend.levels(rows[1], rows[2], bits, dtype), levels)
+    deq = reference.dequantize(packed, rows[1], rows[2], bits, g, inner, n, dtype)
+    out = cpp_backend.lut_apply_out(packed, levels, bits, g, inner, torch.empty(n, dtype=dtype))
+    assert torch.equal(out, deq)
+    table = torch.nn.functional.gelu(levels.float()).to(dtype)
+    mul = torch.randn(n).to(dtype)
+    for m in (None, mul):
+        got = cpp_backend.lut_apply_out(packed, table, bits, g, inner, torch.empty(n, dtype=dtype), m)
+        assert torch.equal(got, reference.lut_apply(packed, table, bits, g, inner, n, m))
+    with pytest.raises(RuntimeError, match="table must be"):
+        cpp_backend.lut_apply_out(packed, table[:, :2].contiguous(), bits, g, inner,
+                                  torch.empty(n, dtype=dtype))

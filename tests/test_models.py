@@ -197,7 +197,8 @@ def test_forward_backward_every_model(name):
     model = models.create_model(name, **kw).train()
     size = kw["img_size"]
     x = torch.randn(2, 3, size, size)
-    # the Linears fed by a Mesa LayerNorm's output reuse its packed x-hat (they store nothing)
+    # the Linears fed by a Mesa LayerNorm's or GELU's output reuse its packed copy (they store
+    # nothing)
     norm_out, fed = {}, set()  # id -> weak reference (an id alone may be reused)
 
     def fed_by_norm(n, x):
@@ -206,7 +207,7 @@ def test_forward_backward_every_model(name):
             fed.add(n)
 
     hooks = [m.register_forward_hook(lambda m, i, o: norm_out.__setitem__(id(o), weakref.ref(o)))
-             for m in model.modules() if isinstance(m, ms.LayerNorm)]
+             for m in model.modules() if isinstance(m, (ms.LayerNorm, ms.GELU))]
     hooks += [m.register_forward_pre_hook(lambda m, i, n=n: fed_by_norm(n, i[0]))
               for n, m in model.named_modules() if isinstance(m, ms.Linear)]
     for mesa in (False, True):
@@ -231,7 +232,7 @@ def test_forward_backward_every_model(name):
     proj = {f"{n}.proj" for n, m in model.named_modules() if isinstance(m, AttentionOps)}
     for n, m in model.named_modules():
         if isinstance(m, ms.Linear) and n in fed:
-            assert float(m.iteration) == 0, f"{name}: {n} stored a copy of a LayerNorm output"
+            assert float(m.iteration) == 0, f"{name}: {n} stored a copy of a LayerNorm/GELU output"
             qs = []
         elif isinstance(m, (ms.Linear, ms.LayerNorm, ms.GELU)) and n not in proj:
             qs = [(n, m)]
@@ -243,7 +244,7 @@ def test_forward_backward_every_model(name):
         stale += [qn for qn, q in qs if q.enable and float(q.iteration) != 1]
     assert not stale, f"{name}: enabled quantizers that did not run: {stale[:10]}"
     assert once and all(c == 1 for c in once), f"{name}: attention output stored {once} times"
-    assert fed, f"{name}: no Linear reused a LayerNorm's copy"
+    assert fed, f"{name}: no Linear reused a LayerNorm's or GELU's copy"
     for h in hooks:
         h.remove()
     model.eval()

@@ -1,4 +1,4 @@
-"""GELU (packed input), Softmax (packed output only: its gradient needs nothing else; the original
+"""GELU (packed input, read through tables in backward and by the next Linear), Softmax (packed output only: its gradient needs nothing else; the original
 saves input and output) and ReLU (a 1-bit mask: its gradient is exact)."""
 from __future__ import annotations
 
@@ -6,37 +6,57 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..quant import (QTensor, attach_saved, once_differentiable, pack_mask, release, save_for_backward,
-                     saved_tensors)
+from ..quant import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
+                     pack_mask, release, save_for_backward, saved_packed, saved_tensors)
 
 
 class _GELU(torch.autograd.Function):
+    """GELU storing its input x packed. The backward reads GELU'(x) off a table of GELU' at
+    the 2^bits values each group's codes take (no per-element erf/exp, no dequantized copy);
+    the packed x also goes out, so that the next Linear restores its input GELU(x) through a
+    table of GELU instead of storing a second copy."""
+
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16):
         xc = x if x.dtype == cdt else x.to(cdt)
         y = F.gelu(xc, approximate=approximate)
-        save_for_backward(ctx, quant.quantize(xc, amp16))
+        qx = quant.quantize(xc, amp16)
+        save_for_backward(ctx, qx)
         ctx.mesa_name = quant
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
-        return y
+        packed = qx.tensors() if isinstance(qx, QTensor) else ()
+        ctx.mark_non_differentiable(*packed)
+        return (y,) + packed
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gy):
-        (xh,) = saved_tensors(ctx)
+    def backward(ctx, gy, *unused):
+        (xq,) = saved_packed(ctx)
         cdt = ctx.cdt
-        gx = torch.ops.aten.gelu_backward(gy if gy.dtype == cdt else gy.to(cdt), xh,
-                                          approximate=ctx.approximate)
-        release(xh)
+        g = gy if gy.dtype == cdt else gy.to(cdt)
+        if isinstance(xq, QTensor):
+            lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
+            deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
+            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
+        else:  # a stand-in quantizer that stored x as it is (tests)
+            gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
         return gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
+    """GELU of x (..., C); the output carries the packed input for the next Mesa Linear."""
     plan = autocast_plan("gelu", x)
+    cdt = x.dtype if plan is None else plan[0]
     if plan is None:
-        return _GELU.apply(x, approximate, quant, x.dtype, False)
-    with no_autocast(x):
-        return _GELU.apply(x, approximate, quant, *plan)
+        y, *packed = _GELU.apply(x, approximate, quant, cdt, False)
+    else:
+        with no_autocast(x):
+            y, *packed = _GELU.apply(x, approximate, quant, *plan)
+    if packed:
+        g, inner = quant.groups_for(y.shape)
+        qx = QTensor(*packed, y.shape, cdt, quant.bits, g, inner, False)
+        attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
+    return y
 
 
 class _Softmax(torch.autograd.Function):

@@ -14,9 +14,9 @@ class _Linear(torch.autograd.Function):
         xc = x if x.dtype == cdt else x.to(cdt)
         w = weight if weight.dtype == cdt else weight.to(cdt)
         y = F.linear(xc, w, bias if bias is None or bias.dtype == cdt else bias.to(cdt))
-        # the packed output of a Mesa SDPA or the packed x-hat of a Mesa LayerNorm (stored once)
-        # when it is what quant would store
-        qx = find_saved(x, quant, dtype=xc.dtype, affine=True)
+        # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
+        # input of a Mesa GELU (stored once) when it is what quant would store
+        qx = find_saved(x, quant, dtype=xc.dtype, derived=True)
         if qx is None:
             qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx, weight)
@@ -33,16 +33,18 @@ class _Linear(torch.autograd.Function):
         g = gy if gy.dtype == cdt else gy.to(cdt)
         gx = gw = gb = None
         need = ctx.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])  # (tokens, out): mm on 2-D views, as addmm's backward
         if need[0]:
-            gx = g.matmul(weight if weight.dtype == cdt else weight.to(cdt))
+            gx = g2.mm(weight if weight.dtype == cdt else weight.to(cdt))
+            gx = gx.view(*g.shape[:-1], gx.shape[-1])
             gx = gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype)
-        g2 = g.reshape(-1, g.shape[-1])
         if need[1]:
             x2 = xh.reshape(-1, xh.shape[-1])
-            gw = g2.t().matmul(x2 if x2.dtype == cdt else x2.to(cdt))
+            gw = g2.t().mm(x2 if x2.dtype == cdt else x2.to(cdt))
             gw = gw if gw.dtype == weight.dtype else gw.to(weight.dtype)
         if ctx.has_bias and need[2]:
-            gb = g2.sum(0).to(ctx.b_dtype)
+            gb = g2.sum(0)
+            gb = gb if gb.dtype == ctx.b_dtype else gb.to(ctx.b_dtype)
         release(xh)
         return gx, gw, gb, None, None, None
 

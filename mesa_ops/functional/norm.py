@@ -3,6 +3,8 @@ BatchNorm2d (packed input + per-channel batch statistics), with aten's own backw
 the dequantized tensors."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
@@ -55,8 +57,9 @@ class _LayerNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         cdt = ctx.cdt
         g = gy if gy.dtype == cdt else gy.to(cdt)
+        zero, one = _unit_stats(rstd.shape, rstd.dtype, rstd.device)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, _as(xh, cdt), ctx.normalized_shape, torch.zeros_like(rstd), torch.ones_like(rstd),
+            g, _as(xh, cdt), ctx.normalized_shape, zero, one,
             w, b, [need[0], w is not None and need[2], b is not None and need[3]])
         release(xh)
         gx = _as(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
@@ -65,6 +68,12 @@ class _LayerNorm(torch.autograd.Function):
 
 
 _WIDE = (torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=32)
+def _unit_stats(shape, dtype, device):
+    """Mean 0 and rstd 1 of the given statistics shape (read-only inputs of the backward op)."""
+    return torch.zeros(shape, dtype=dtype, device=device), torch.ones(shape, dtype=dtype, device=device)
 
 
 def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor:
