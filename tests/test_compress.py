@@ -68,7 +68,10 @@ def test_compress_keeps_weights_outputs_and_saves_memory(kind):
     on = ms.audit(model, x, verbose=False)
     off = ms.audit(ref, x, verbose=False)
     assert on.total_bytes < 0.35 * off.total_bytes
-    assert on.packed_bytes > 0.6 * on.total_bytes
+    # what is not packed: the image (the patch embedding's input, left exact by mesa8) and small
+    # fp32 statistics (LayerNorm rstd, SDPA logsumexp)
+    image = x.numel() * x.element_size()
+    assert on.total_bytes - on.packed_bytes - image <= 0.05 * on.total_bytes
 
 
 def test_attention_output_is_stored_once_and_explicit_path_with_dropout():
