@@ -12,7 +12,8 @@ from .layers import (MESA_LAYERS, BatchNorm2d, Conv2d, GELU, LayerNorm, Linear, 
 from .memory import SavedActivationMeter, saved_activation_bytes
 from .audit import audit
 from .compress import compress
-from .quant import QTensor, QuantMixin, Quantizer
+from .packed import QTensor
+from .quant import QuantMixin, Quantizer
 from .ops import get_rng_state, set_rng_state
 from .quant import set_dist_sync
 

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tckpt
 
-from .quant import Quantizer, QTensor, channel_dim
+from .packed import QTensor
+from .quant import Quantizer, channel_dim
 
 __all__ = ["checkpoint_block", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
 GROUP_SIZE = 32

@@ -325,7 +325,7 @@ def _scale_bytes(groups):
 
 
 def _mask_scale_bytes():
-    qt = ms.quant.pack_mask(torch.randn(10))
+    qt = ms.packed.pack_mask(torch.randn(10))
     nbytes = _unique_bytes(qt.step, qt.shift)
     assert nbytes <= 16, nbytes
     return nbytes

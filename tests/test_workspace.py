@@ -33,11 +33,11 @@ def test_workspace_gives_the_reference_gradients_bit_for_bit(monkeypatch):
 
 
 def test_workspace_is_empty_after_backward():
-    from mesa_ops import quant
+    from mesa_ops import packed
 
     m = ms.Linear(16, 16, enable=True)
     m(torch.randn(4, 16, requires_grad=True)).sum().backward()
-    ws = quant._workspace()
+    ws = packed._workspace()
     assert ws.free == [] and not ws.armed
 
 

@@ -1,12 +1,13 @@
-"""GELU (packed input, read through tables in backward and by the next Linear), Softmax (packed output only: its gradient needs nothing else; the original
-saves input and output) and ReLU (a 1-bit mask: its gradient is exact)."""
+"""GELU (packed input, read through tables in backward and by the next Linear), Softmax (packed
+output only: its gradient needs nothing else; the original saves input and output) and ReLU (a
+1-bit mask: its gradient is exact)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..quant import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
+from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
                      pack_mask, release, save_for_backward, saved_packed, saved_tensors)
 
 

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from ..amp import fp16_autocast, no_autocast
-from ..quant import QTensor, attach_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import QTensor, attach_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)

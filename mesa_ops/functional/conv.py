@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..quant import once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _Conv2d(torch.autograd.Function):

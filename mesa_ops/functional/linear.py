@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import autocast_plan, no_autocast
-from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..quant import find_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import find_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:

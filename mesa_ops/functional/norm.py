@@ -8,8 +8,8 @@ import functools
 import torch
 
 from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..quant import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable, release, save_for_backward,
-                     saved_tensors)
+from ..packed import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable,
+                      release, save_for_backward, saved_tensors)
 
 
 def _cast_params(cdt, x, *params):

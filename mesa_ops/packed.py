@@ -1,0 +1,412 @@
+"""Packed copies of activations and how Mesa's autograd Functions store and restore them.
+
+A :class:`QTensor` is what the quantizer (:mod:`mesa_ops.quant`) returns: b-bit codes packed in
+uint8 with one fp32 step and shift per group. Two derived kinds restore a tensor from another
+layer's packed copy, so that data two layers would store is stored once:
+:class:`AffineQTensor` (a LayerNorm's output from its packed x-hat: x-hat * weight + bias) and
+:class:`MappedQTensor` (a GELU's output from its packed input, through a table of GELU at the
+2^bits values of each group). :func:`attach_saved` / :func:`find_saved` hand such copies from
+one layer to the next; :func:`save_for_backward` / :func:`saved_tensors` store any mix of them
+in an autograd ctx; dequantized tensors of a backward come from a reusable workspace
+(:func:`release`)."""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import NamedTuple
+
+import torch
+from torch.autograd import function as _autograd_function
+
+from . import ops, reference
+from .backend import get_backend
+
+def compiling() -> bool:
+    """True while torch.compile (dynamo) traces."""
+    return torch.compiler.is_compiling()
+
+
+class QTensor(NamedTuple):
+    """A packed activation: ``packed`` uint8 codes, per-group ``step`` and ``shift`` (fp32)."""
+    packed: torch.Tensor
+    step: torch.Tensor
+    shift: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    groups: int
+    inner: int
+    transposed: bool  # stored as x.transpose(-2, -1) (memory order of a transposed input)
+
+    def tensors(self):
+        return (self.packed, self.step, self.shift)
+
+    def meta(self):
+        return (self.shape, self.dtype, self.bits, self.groups, self.inner, self.transposed)
+
+    @staticmethod
+    def restore(tensors, meta) -> torch.Tensor:
+        packed, step, shift = tensors
+        shape, dtype, bits, groups, inner, transposed = meta
+        if compiling():
+            return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(),
+                                          dtype), shape, transposed)
+        be = get_backend(packed)
+        # reuse workspace buffers only in a backward that records no graph (create_graph=False)
+        if not torch.is_grad_enabled() and getattr(be, "has_dequantize_out", False) and in_backward():
+            flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
+                                     _workspace().acquire(shape.numel(), dtype))
+            if not transposed:
+                out = flat.view(shape)
+                out._mesa_ws = True
+                return out
+        else:
+            flat = ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(), dtype)
+        return _shaped(flat, shape, transposed)
+
+    def dequantize(self) -> torch.Tensor:
+        return QTensor.restore(self.tensors(), self.meta())
+
+
+class AffineQTensor(NamedTuple):
+    """A tensor stored as ``q.dequantize() * weight + bias`` along its last dim (``weight``,
+    ``bias``: (C,) or None): a LayerNorm's output, from the packed x-hat its backward keeps."""
+    q: QTensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def bits(self) -> int:
+        return self.q.bits
+
+    def tensors(self):
+        return self.q.tensors() + (self.weight, self.bias)
+
+    def meta(self):
+        return self.q.meta()
+
+    @staticmethod
+    def restore(tensors, meta) -> torch.Tensor:
+        out = QTensor.restore(tensors[:3], meta)
+        w, b = tensors[3], tensors[4]
+        if w is not None:
+            out = out.mul_(w)
+        if b is not None:
+            out = out.add_(b)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return AffineQTensor.restore(self.tensors(), self.meta())
+
+
+def _gelu_table(levels: torch.Tensor, approximate: str) -> torch.Tensor:
+    return torch.nn.functional.gelu(levels, approximate=approximate)
+
+
+# elementwise functions a stored tensor can be restored through: name -> f(levels, *args)
+TABLE_FNS = {"gelu": _gelu_table}
+
+
+class MappedQTensor(NamedTuple):
+    """A tensor stored as f(x) of a packed x, f elementwise (GELU's output, from the packed
+    input the GELU keeps for its own backward): restored through a table of f at the 2^bits
+    values each group's codes take, so f is computed 2^bits times per group, not per element.
+    ``fn``: (name in :data:`TABLE_FNS`, *args)."""
+    q: QTensor
+    fn: tuple
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def bits(self) -> int:
+        return self.q.bits
+
+    def tensors(self):
+        return self.q.tensors()
+
+    def meta(self):
+        return self.q.meta() + (self.fn,)
+
+    @staticmethod
+    def restore(tensors, meta) -> torch.Tensor:
+        packed, step, shift = tensors
+        dtype, bits = meta[1], meta[2]
+        name, *args = meta[6]
+        table = TABLE_FNS[name](levels(step, shift, bits, dtype), *args)
+        return apply_table(tensors, meta[:6], table)
+
+    def dequantize(self) -> torch.Tensor:
+        return MappedQTensor.restore(self.tensors(), self.meta())
+
+
+def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """(G, 2^bits): the values each group's codes dequantize to, in ``dtype`` (the kernel's
+    one call on CPU, reference.levels elsewhere and while compiling)."""
+    be = None if compiling() else get_backend(step)
+    kernel = getattr(be, "levels", None)
+    if kernel is None:
+        return reference.levels(step, shift, bits, dtype)
+    return kernel(step, shift, bits, dtype)
+
+
+def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """``table[group][code]`` of a packed tensor (``tensors``/``meta`` of a QTensor), times
+    ``mul`` when given, shaped as the stored tensor: (G, 2^bits) ``table`` of the result dtype.
+    Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it)."""
+    packed, step, shift = tensors
+    shape, dtype, bits, groups, inner, transposed = meta
+    if transposed:
+        raise ValueError("mesa apply_table: a transposed packed copy has no table path")
+    numel = shape.numel()
+    be = None if compiling() else get_backend(packed)
+    kernel = getattr(be, "lut_apply_out", None)
+    if kernel is None:
+        return reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape)
+    ws = mul is None and not torch.is_grad_enabled() and in_backward()
+    out = (_workspace().acquire(numel, table.dtype) if ws
+           else torch.empty(numel, dtype=table.dtype, device=packed.device))
+    out = kernel(packed, table, bits, groups, inner, out,
+                 None if mul is None else mul.contiguous()).view(shape)
+    if ws:
+        out._mesa_ws = True
+    return out
+
+
+def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
+    if transposed:
+        s = list(shape)
+        s[-2], s[-1] = s[-1], s[-2]
+        return flat.view(s).transpose(-2, -1)
+    return flat.view(shape)
+
+
+def _memory_view(x: torch.Tensor, allow_transposed: bool = True,
+                 copy: bool = True) -> tuple[torch.Tensor, bool]:
+    """A contiguous tensor holding ``x``'s values without a copy where one exists (a transposed
+    view only for dim-1 groups, which a swap of the last two dims leaves in place); with
+    ``copy=False`` any other ``x`` is returned as it is (the CPU kernel reads it in place or
+    copies it itself)."""
+    if x.is_contiguous():
+        return x, False
+    if allow_transposed and x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # k^T
+        return x.transpose(-2, -1), True
+    return (x.contiguous() if copy else x), False
+
+
+class _Workspace:
+    """Reusable CPU buffers for the dequantized activations of one backward pass.
+
+    A fresh multi-MB CPU allocation costs a page fault per 4 KiB on first touch, which made
+    dequantization dominate Mesa's CPU overhead. During a backward, Mesa's Functions take their
+    dequantized tensors from here and hand them back (:func:`release`) once their gradients are
+    computed; the buffers are dropped when the backward ends, so nothing is held during forward.
+    """
+
+    def __init__(self):
+        self.free: list[torch.Tensor] = []
+        self.armed = False
+
+    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if not self.armed:
+            torch.autograd.Variable._execution_engine.queue_callback(self.clear)
+            self.armed = True
+        best = None
+        for i, buf in enumerate(self.free):
+            if buf.dtype == dtype and buf.numel() >= numel and (
+                    best is None or buf.numel() < self.free[best].numel()):
+                best = i
+        buf = self.free.pop(best) if best is not None else torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+    def release(self, t: torch.Tensor) -> None:
+        base = t._base if t._base is not None else t
+        while base._base is not None:
+            base = base._base
+        if base.device.type == "cpu" and base.dim() == 1 and len(self.free) < 8:
+            self.free.append(base)
+
+    def clear(self) -> None:
+        self.free.clear()
+        self.armed = False
+
+
+_local = threading.local()
+
+
+def _workspace() -> _Workspace:
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = _Workspace()
+    return ws
+
+
+def release(*tensors) -> None:
+    """Give dequantized tensors back to the backward workspace (call after their last use)."""
+    if not compiling() and in_backward() and not torch.is_grad_enabled():
+        ws = _workspace()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False):
+                ws.release(t)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. checkpoint recomputation); False
+    while torch.compile traces."""
+    if compiling():
+        return False
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _layer_name(ctx) -> str:
+    """The layer a Function's ``ctx.mesa_name`` names: a string, or the quantizer / module
+    itself (described only when needed: the forward runs once per layer and step)."""
+    name = getattr(ctx, "mesa_name", "?")
+    return name if isinstance(name, str) else name.describe()
+
+
+def once_differentiable(fn):
+    """``torch.autograd.function.once_differentiable`` with a message naming Mesa: a Mesa
+    backward runs without recording a graph (its inputs are lossy packed copies), and a second
+    differentiation through it (gradient penalty, ``create_graph=True``) raises."""
+    plain = _autograd_function.once_differentiable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args):
+        if not torch.is_grad_enabled():  # the usual backward (create_graph=False): as plain does
+            return fn(ctx, *args)
+        if compiling():
+            return plain(ctx, *args)
+        with torch.no_grad():
+            outputs = fn(ctx, *args)
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        err = torch._C._functions.DelayedError(
+            f"mesa_ops: double backward through the Mesa layer {_layer_name(ctx)} "
+            "is not supported "
+            "(it saved a lossy packed copy of its input and its backward is not differentiable); "
+            "turn compression off for it (enable=False) to take gradients of gradients".encode(),
+            len(outs))
+        res = err(*[o.detach().requires_grad_() if o is not None else None for o in outs])
+        res = res if isinstance(res, tuple) else (res,)
+        return res if isinstance(outputs, tuple) else res[0]
+    return wrapper
+
+
+_NO_DRAWS = torch.zeros(1, dtype=torch.int64)  # round-to-nearest packing draws nothing
+
+
+def pack_mask(mask_source: torch.Tensor) -> QTensor:
+    """1-bit copy of ``mask_source > 0`` (the ReLU mask), through the same packing kernels."""
+    x, transposed = _memory_view(mask_source.detach())
+    one = torch.ones(1, device=x.device)
+    zero = torch.zeros(1, device=x.device)
+    packed = ops.quantize(x, one, zero, _NO_DRAWS, "", 1, 1, x.numel() or 1, False, False)
+    return QTensor(packed, one, zero, mask_source.shape, mask_source.dtype, 1, 1, x.numel() or 1,
+                   transposed)
+
+
+def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True) -> None:
+    """Record on ``t`` that ``qt`` is a packed copy of it (rounded stochastically or not), so a
+    later Mesa layer that needs the same tensor for backward (attn@v after softmax) saves these
+    bytes instead of a second copy."""
+    t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic))
+
+
+def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
+               derived: bool = False) -> QTensor | AffineQTensor | MappedQTensor | None:
+    """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
+    ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
+    ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared).
+    With ``derived`` a copy that restores ``t`` from another layer's packed tensor is also taken
+    when bits and rounding match (a LayerNorm's x-hat with its weight and bias:
+    :class:`AffineQTensor`; a GELU's input through GELU: :class:`MappedQTensor`): its groups
+    are that layer's, and it restores in that layer's compute dtype (the caller casts)."""
+    rec = getattr(t, "_mesa_saved", None)
+    if rec is None:
+        return None
+    qt, version, stochastic = rec
+    if (version is not None and version != t._version) or qt.shape != t.shape:
+        return None
+    if isinstance(qt, (AffineQTensor, MappedQTensor)):
+        if not derived or isinstance(quant, int):
+            return None
+        return qt if qt.bits == quant.bits and stochastic == bool(quant.stochastic) else None
+    if dtype is not None and qt.dtype != dtype:
+        return None
+    if isinstance(quant, int):
+        return qt if qt.bits == quant else None
+    if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
+        return None
+    if qt.transposed and quant.group_dim != "channel":
+        return None
+    shape = list(t.shape)
+    if qt.transposed:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    if (qt.groups, qt.inner) != quant.groups_for(shape):
+        return None
+    return qt
+
+
+def save_for_backward(ctx, *items) -> None:
+    """``ctx.save_for_backward`` for a mix of QTensor, AffineQTensor, Tensor and None items."""
+    flat, layout = [], []
+    for it in items:
+        if isinstance(it, QTensor):
+            layout.append(("q", len(flat), it.meta()))
+            flat.extend(it.tensors())
+        elif isinstance(it, AffineQTensor):
+            layout.append(("a", len(flat), it.meta()))
+            flat.extend(it.tensors())
+        elif isinstance(it, MappedQTensor):
+            layout.append(("m", len(flat), it.meta()))
+            flat.extend(it.tensors())
+        elif it is None:
+            layout.append(("none", 0, None))
+        else:
+            layout.append(("t", len(flat), None))
+            flat.append(it)
+    ctx.save_for_backward(*flat)
+    ctx.mesa_layout = layout
+
+
+def saved_tensors(ctx) -> list:
+    """The items given to :func:`save_for_backward`, QTensors dequantized."""
+    flat = ctx.saved_tensors
+    out = []
+    for kind, i, meta in ctx.mesa_layout:
+        if kind == "q":
+            out.append(QTensor.restore(flat[i:i + 3], meta))
+        elif kind == "t":
+            out.append(flat[i])
+        elif kind == "a":
+            out.append(AffineQTensor.restore(flat[i:i + 5], meta))
+        elif kind == "m":
+            out.append(MappedQTensor.restore(flat[i:i + 3], meta))
+        else:
+            out.append(None)
+    return out
+
+
+def saved_packed(ctx) -> list:
+    """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
+    backward that reads its stored tensor through a table, without dequantizing it)."""
+    flat = ctx.saved_tensors
+    out = []
+    for kind, i, meta in ctx.mesa_layout:
+        if kind == "q":
+            out.append(QTensor(*flat[i:i + 3], *meta))
+        elif kind == "t":
+            out.append(flat[i])
+        elif kind == "none":
+            out.append(None)
+        else:
+            raise ValueError(f"mesa saved_packed: item kind {kind!r} has no packed form here")
+    return out
