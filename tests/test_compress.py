@@ -61,10 +61,11 @@ def test_compress_keeps_weights_outputs_and_saves_memory(kind):
     assert g.keys() == g_ref.keys()
     num = sum((g[n] - g_ref[n]).square().sum() for n in g)
     den = sum(g_ref[n].square().sum() for n in g)
-    # 8-bit activations: at random init LayerNorm dominates (its per-channel-group range spans
-    # the patch tokens while ViT's class token is ~0.02 in size: ~0.11 measured on ViT); the
-    # other layers are below 1% each. A wrong scale or layout gives errors of order 1.
-    assert float((num / den).sqrt()) < 0.2
+    # 8-bit activations. Measured, seeds 0-2: ViT 0.019-0.026, Swin 0.005-0.006, PVT-v2
+    # 0.010-0.012. When LayerNorm stored its input x rather than x-hat, ViT was at ~0.11 (the
+    # per-group range of x spans the patch tokens while the class token is ~0.02 in size). A
+    # wrong scale or layout gives errors of order 1.
+    assert float((num / den).sqrt()) < 0.05
     on = ms.audit(model, x, verbose=False)
     off = ms.audit(ref, x, verbose=False)
     assert on.total_bytes < 0.35 * off.total_bytes
