@@ -36,6 +36,9 @@ import torch
 from . import ops
 from .backend import get_backend
 from .packed import QTensor, _memory_view, compiling, in_backward
+# the storage helpers lived here before mesa_ops/packed.py: still importable from this module
+from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # noqa: F401
+                     once_differentiable, pack_mask, release, save_for_backward, saved_tensors)
 
 _log = logging.getLogger("mesa_ops")
 SUPPORTED_BITS = (8, 4, 2)

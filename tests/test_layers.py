@@ -691,3 +691,20 @@ def test_linear_after_gelu_reuses_its_input_copy():
         mesa[2].bits = 4
         assert _meter(mesa[1:], [torch.randn(4, 50, 64)])[0] == (gelu_bytes + _packed(4 * 50 * 64, 4)
                                                               + _scale_bytes(1))
+
+
+def test_linear_after_bf16_layernorm_far_from_zero():
+    """A bf16 model (no autocast) on CPU: native_layer_norm returns bf16 statistics, whose
+    rounding would shift a whole row of x-hat; the LayerNorm computes its statistics in fp32
+    instead, so the Linear that reuses its copy is as accurate as with a copy of its own
+    (measured: 0.013 either way; 0.117 with the bf16 statistics)."""
+    torch.manual_seed(0)
+    x = (torch.randn(512, 64) + 100).to(torch.bfloat16)
+    mesa = nn.Sequential(ms.LayerNorm(64), ms.Linear(64, 64)).to(torch.bfloat16).train()
+    plain = copy.deepcopy(mesa)
+    _enable(mesa, 8)
+    y0, gy, g0 = run(plain, [x])
+    y1, _, g1 = run(mesa, [x], gy)
+    assert torch.equal(y1, y0) and float(mesa[1].iteration) == 0
+    err = rel_err(g1["1.weight"], g0["1.weight"])
+    assert err <= 0.03, err

@@ -39,6 +39,12 @@ class _LayerNorm(torch.autograd.Function):
         w, b = _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
         xw = xc if xc.dtype in _WIDE else xc.float()
+        ctx.stats_dtype = mean.dtype
+        if mean.dtype not in _WIDE:  # (CPU, fp16/bf16 parameters: statistics rounded to that
+            # dtype, whose error would be a whole-row offset of x-hat): fp32 statistics
+            dims = tuple(range(-len(normalized_shape), 0))
+            var, mean = torch.var_mean(xw, dim=dims, correction=0, keepdim=True)
+            rstd = torch.rsqrt(var.add_(eps))
         qx = quant.quantize(torch.sub(xw, mean).mul_(rstd), amp16)
         save_for_backward(ctx, qx, rstd, w, b)
         ctx.mesa_name = quant
@@ -57,7 +63,7 @@ class _LayerNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         cdt = ctx.cdt
         g = gy if gy.dtype == cdt else gy.to(cdt)
-        zero, one = _unit_stats(rstd.shape, rstd.dtype, rstd.device)
+        zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             g, _as(xh, cdt), ctx.normalized_shape, zero, one,
             w, b, [need[0], w is not None and need[2], b is not None and need[3]])
