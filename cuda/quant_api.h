@@ -37,17 +37,23 @@ inline void check_quantize_args(const at::Tensor& x, const at::Tensor& inv, cons
   check_params("quantize", inv, shift, groups, x.device());
 }
 
+// packed holds the codes of numel elements at `bits` bits, in (outer, groups, inner) groups.
+inline void check_packed_args(const char* op, const at::Tensor& packed, int64_t bits,
+                              int64_t groups, int64_t inner, int64_t numel) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "mesa ", op, ": packed must be a contiguous uint8 tensor");
+  check_bits(op, bits);
+  check_group_args(op, numel, groups, inner);
+  const int64_t per = 8 / bits;
+  TORCH_CHECK(packed.numel() == (numel + per - 1) / per, "mesa ", op, ": packed has ",
+              packed.numel(), " bytes, expected ", (numel + per - 1) / per, " for ", numel,
+              " elements at ", bits, " bits");
+}
+
 inline void check_dequantize_args(const at::Tensor& packed, const at::Tensor& step,
                                   const at::Tensor& shift, int64_t bits, int64_t groups,
                                   int64_t inner, int64_t numel) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "mesa dequantize: packed must be a contiguous uint8 tensor");
-  check_bits("dequantize", bits);
-  check_group_args("dequantize", numel, groups, inner);
-  const int64_t per = 8 / bits;
-  TORCH_CHECK(packed.numel() == (numel + per - 1) / per, "mesa dequantize: packed has ",
-              packed.numel(), " bytes, expected ", (numel + per - 1) / per, " for ", numel,
-              " elements at ", bits, " bits");
+  check_packed_args("dequantize", packed, bits, groups, inner, numel);
   check_params("dequantize", step, shift, groups, packed.device());
 }
 

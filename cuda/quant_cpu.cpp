@@ -272,6 +272,30 @@ inline void unpack_codes(const uint8_t* in, int64_t n, int bits, uint8_t* codes)
   }
 }
 
+// Calls f(s, e, g, codes) for each run [s, e) of one group over the packed codes of numel
+// elements (codes: the run's one-byte codes, unpacked per tile below 8 bits), tiles of kTile
+// in parallel: the loop dequantize_out_cpu and lut_apply_out_cpu share.
+template <typename F>
+void for_code_runs(const uint8_t* in, int64_t numel, int bits, int64_t inner, int64_t groups,
+                   F&& f) {
+  const int per = 8 / bits;
+  const int64_t ntiles = (numel + kTile - 1) / kTile;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint8_t> codes(bits == 8 ? 0 : kTile);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t begin = t * kTile;
+      const int64_t end = std::min(numel, begin + kTile);
+      const uint8_t* c = in + begin;
+      if (bits != 8) {
+        unpack_codes(in + begin / per, end - begin, bits, codes.data());
+        c = codes.data();
+      }
+      for_group_runs(begin, end, inner, groups,
+                     [&](int64_t s, int64_t e, int64_t g) { f(s, e, g, c + (s - begin)); });
+    }
+  });
+}
+
 }  // namespace
 
 namespace {
@@ -453,29 +477,14 @@ at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
   const float* st = step.data_ptr<float>();
   const float* sh = shift.data_ptr<float>();
   const uint8_t* in = packed.data_ptr<uint8_t>();
-  const int b = static_cast<int>(bits);
-  const int per = 8 / b;
-  const int64_t ntiles = (numel + kTile - 1) / kTile;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mesa_dequantize_cpu", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t begin = t * kTile;
-        const int64_t end = std::min(numel, begin + kTile);
-        const uint8_t* c = in + begin;
-        if (b != 8) {
-          unpack_codes(in + begin / per, end - begin, b, codes.data());
-          c = codes.data();
-        }
-        for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t e, int64_t g) {
-          const float stp = st[g];
-          const float sft = sh[g];
-          const uint8_t* cc = c + (s - begin);
-          for (int64_t i = s; i < e; ++i)
-            op[i] = static_cast<scalar_t>(dequantize_one(cc[i - s], stp, sft));
-        });
-      }
+    for_code_runs(in, numel, static_cast<int>(bits), inner, groups,
+                  [&](int64_t s, int64_t e, int64_t g, const uint8_t* cc) {
+      const float stp = st[g];
+      const float sft = sh[g];
+      for (int64_t i = s; i < e; ++i)
+        op[i] = static_cast<scalar_t>(dequantize_one(cc[i - s], stp, sft));
     });
   });
   return out;
@@ -515,15 +524,9 @@ at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, 
                              int64_t groups, int64_t inner, at::Tensor out,
                              const std::optional<at::Tensor>& mul) {
   const int64_t numel = out.numel();
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.device().is_cpu(),
-              "mesa lut_apply: packed must be a contiguous uint8 CPU tensor");
-  check_bits("lut_apply", bits);
-  check_group_args("lut_apply", numel, groups, inner);
-  const int b = static_cast<int>(bits);
-  const int per = 8 / b;
-  const int64_t levels = int64_t{1} << b;
-  TORCH_CHECK(packed.numel() == (numel + per - 1) / per, "mesa lut_apply: packed has ",
-              packed.numel(), " bytes, expected ", (numel + per - 1) / per);
+  check_packed_args("lut_apply", packed, bits, groups, inner, numel);
+  TORCH_CHECK(packed.device().is_cpu(), "mesa lut_apply: packed must be a CPU tensor");
+  const int64_t levels = int64_t{1} << bits;
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "mesa lut_apply: out must be a contiguous CPU tensor");
   TORCH_CHECK(table.device().is_cpu() && table.is_contiguous() && table.scalar_type() == out.scalar_type() &&
                   table.dim() == 2 && table.size(0) == groups && table.size(1) == levels,
@@ -534,36 +537,23 @@ at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, 
                     mul->scalar_type() == out.scalar_type(),
                 "mesa lut_apply: mul must be a contiguous CPU tensor of out's dtype and size");
   const uint8_t* in = packed.data_ptr<uint8_t>();
-  const int64_t ntiles = (numel + kTile - 1) / kTile;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_lut_apply_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* tab = table.data_ptr<scalar_t>();
     const scalar_t* mp = has_mul ? mul->data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<uint8_t> codes(b == 8 ? 0 : kTile);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t begin = t * kTile;
-        const int64_t end = std::min(numel, begin + kTile);
-        const uint8_t* c = in + begin;
-        if (b != 8) {
-          unpack_codes(in + begin / per, end - begin, b, codes.data());
-          c = codes.data();
-        }
-        for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t e, int64_t g) {
-          const scalar_t* tg = tab + g * levels;
-          const uint8_t* cc = c + (s - begin);
-          int64_t i = s;
+    for_code_runs(in, numel, static_cast<int>(bits), inner, groups,
+                  [&](int64_t s, int64_t e, int64_t g, const uint8_t* cc) {
+      const scalar_t* tg = tab + g * levels;
+      int64_t i = s;
 #if defined(__AVX2__)
-          i = lut_run_avx2<scalar_t>(tg, cc, mp, op, s, e);
+      i = lut_run_avx2<scalar_t>(tg, cc, mp, op, s, e);
 #endif
-          if (mp != nullptr) {
-            for (; i < e; ++i)
-              op[i] = static_cast<scalar_t>(static_cast<acc_t>(mp[i]) * static_cast<acc_t>(tg[cc[i - s]]));
-          } else {
-            for (; i < e; ++i) op[i] = tg[cc[i - s]];
-          }
-        });
+      if (mp != nullptr) {
+        for (; i < e; ++i)
+          op[i] = static_cast<scalar_t>(static_cast<acc_t>(mp[i]) * static_cast<acc_t>(tg[cc[i - s]]));
+      } else {
+        for (; i < e; ++i) op[i] = tg[cc[i - s]];
       }
     });
   });
