@@ -62,3 +62,9 @@ def autocast_plan(op: str, x: torch.Tensor):
     if not torch.is_autocast_enabled(dev):
         return None
     return compute_dtype(op, x), fp16_autocast(x)
+
+
+def as_dtype(t, dtype):
+    """``t`` in ``dtype``: ``t`` itself when it already is (no dispatched ``to`` on the hot
+    path); None stays None."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)

@@ -355,43 +355,38 @@ def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
     return qt
 
 
+_PACKED = (QTensor, AffineQTensor, MappedQTensor)  # each: tensors(), meta(), restore(tensors, meta)
+
+
 def save_for_backward(ctx, *items) -> None:
-    """``ctx.save_for_backward`` for a mix of QTensor, AffineQTensor, Tensor and None items."""
+    """``ctx.save_for_backward`` for a mix of packed copies (:data:`_PACKED`), Tensor and None
+    items."""
     flat, layout = [], []
     for it in items:
-        if isinstance(it, QTensor):
-            layout.append(("q", len(flat), it.meta()))
-            flat.extend(it.tensors())
-        elif isinstance(it, AffineQTensor):
-            layout.append(("a", len(flat), it.meta()))
-            flat.extend(it.tensors())
-        elif isinstance(it, MappedQTensor):
-            layout.append(("m", len(flat), it.meta()))
-            flat.extend(it.tensors())
+        if isinstance(it, _PACKED):
+            tensors = it.tensors()
+            layout.append((type(it), len(flat), len(tensors), it.meta()))
+            flat.extend(tensors)
         elif it is None:
-            layout.append(("none", 0, None))
+            layout.append((None, 0, 0, None))
         else:
-            layout.append(("t", len(flat), None))
+            layout.append((torch.Tensor, len(flat), 1, None))
             flat.append(it)
     ctx.save_for_backward(*flat)
     ctx.mesa_layout = layout
 
 
 def saved_tensors(ctx) -> list:
-    """The items given to :func:`save_for_backward`, QTensors dequantized."""
+    """The items given to :func:`save_for_backward`, packed copies restored."""
     flat = ctx.saved_tensors
     out = []
-    for kind, i, meta in ctx.mesa_layout:
-        if kind == "q":
-            out.append(QTensor.restore(flat[i:i + 3], meta))
-        elif kind == "t":
-            out.append(flat[i])
-        elif kind == "a":
-            out.append(AffineQTensor.restore(flat[i:i + 5], meta))
-        elif kind == "m":
-            out.append(MappedQTensor.restore(flat[i:i + 3], meta))
-        else:
+    for kind, i, n, meta in ctx.mesa_layout:
+        if kind is None:
             out.append(None)
+        elif kind is torch.Tensor:
+            out.append(flat[i])
+        else:
+            out.append(kind.restore(flat[i:i + n], meta))
     return out
 
 
@@ -400,13 +395,13 @@ def saved_packed(ctx) -> list:
     backward that reads its stored tensor through a table, without dequantizing it)."""
     flat = ctx.saved_tensors
     out = []
-    for kind, i, meta in ctx.mesa_layout:
-        if kind == "q":
-            out.append(QTensor(*flat[i:i + 3], *meta))
-        elif kind == "t":
-            out.append(flat[i])
-        elif kind == "none":
+    for kind, i, n, meta in ctx.mesa_layout:
+        if kind is None:
             out.append(None)
+        elif kind is torch.Tensor:
+            out.append(flat[i])
+        elif kind is QTensor:
+            out.append(QTensor(*flat[i:i + n], *meta))
         else:
-            raise ValueError(f"mesa saved_packed: item kind {kind!r} has no packed form here")
+            raise ValueError(f"mesa saved_packed: a {kind.__name__} has no packed form here")
     return out

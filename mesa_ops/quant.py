@@ -248,9 +248,7 @@ class QuantMixin:
         if range_mode != "ema" and range_mode != "batch":
             raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
                              f"got {range_mode!r}")
-        mode = self._nonfinite
-        if mode == "auto":
-            mode = "skip" if amp16 else "raise"
+        mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         bits = self._bits
         # in an activation-checkpoint recomputation the running estimates were already updated

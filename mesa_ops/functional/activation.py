@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
                      pack_mask, release, save_for_backward, saved_packed, saved_tensors)
 
@@ -19,7 +19,7 @@ class _GELU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16):
-        xc = x if x.dtype == cdt else x.to(cdt)
+        xc = as_dtype(x, cdt)
         y = F.gelu(xc, approximate=approximate)
         qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx)
@@ -34,14 +34,14 @@ class _GELU(torch.autograd.Function):
     def backward(ctx, gy, *unused):
         (xq,) = saved_packed(ctx)
         cdt = ctx.cdt
-        g = gy if gy.dtype == cdt else gy.to(cdt)
+        g = as_dtype(gy, cdt)
         if isinstance(xq, QTensor):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
             deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
             gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
-        return gx if gx.dtype == ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None
+        return as_dtype(gx, ctx.x_dtype), None, None, None, None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:

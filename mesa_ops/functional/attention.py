@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ..amp import fp16_autocast, no_autocast
+from ..amp import as_dtype, fp16_autocast, no_autocast
 from ..packed import QTensor, attach_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 aten = torch.ops.aten
@@ -46,16 +46,11 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return _probe_dtype(dev, torch.get_autocast_dtype(dev), x.dtype)
 
 
-def _as(t, dtype):
-    """``t`` in ``dtype`` (None stays None; no op when it already is)."""
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
 def build_mask(bias, window_mask, batch: int, dtype):
     """The additive mask as the models pass it to SDPA: ``bias`` (broadcastable to (B, H, N, M))
     or, with ``window_mask`` (W, N, M), (W, H, N, M) for 5-D (B // W, W, H, N, D) inputs."""
     if window_mask is None:
-        return _as(bias, dtype)
+        return as_dtype(bias, dtype)
     if batch % window_mask.shape[0]:
         raise ValueError(f"mesa SDPA: batch {batch} is not a multiple of the {window_mask.shape[0]} "
                          "windows of window_mask")
@@ -116,7 +111,7 @@ def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
-        qc, kc, vc = _as(q, cdt), _as(k, cdt), _as(v, cdt)
+        qc, kc, vc = as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
         extra = ()
@@ -158,7 +153,7 @@ class _SDPA(torch.autograd.Function):
         lse, bias, window_mask = items[4:7]
         extra = items[7:]
         cdt, scale = ctx.cdt, ctx.scale
-        g = _as(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
+        g = as_dtype(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
         gbias = None
         am = build_mask(bias, window_mask, qh.shape[0], cdt)
         if ctx.choice == FLASH and qh.device.type == "cpu":
@@ -191,7 +186,7 @@ class _SDPA(torch.autograd.Function):
                 gbias = grads[3]
         release(qh, kh, vh, oh)
         dq, dk, dv, db = ctx.dtypes
-        return (_as(gq, dq), _as(gk, dk), _as(gv, dv), _as(gbias, db),
+        return (as_dtype(gq, dq), as_dtype(gk, dk), as_dtype(gv, dv), as_dtype(gbias, db),
                 None, None, None, None, None, None, None)
 
 
@@ -211,7 +206,7 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
     else:
         am = build_mask(bias, None, q.shape[0], cdt)
-        choice = sdp_choice(_as(q, cdt), _as(k, cdt), _as(v, cdt), am, 0.0, scale)
+        choice = sdp_choice(as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt), am, 0.0, scale)
         if choice == CUDNN:  # not wrapped here: the flash / memory-efficient kernel instead (same
             # math, not necessarily the same bits as F.scaled_dot_product_attention's cuDNN kernel)
             choice = FLASH if am is None and cdt in (torch.float16, torch.bfloat16) else EFFICIENT

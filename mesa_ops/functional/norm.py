@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ..amp import autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable,
                       release, save_for_backward, saved_tensors)
 
@@ -17,11 +17,6 @@ def _cast_params(cdt, x, *params):
     if cdt == x.dtype:
         return params
     return tuple(None if p is None else p.to(cdt) for p in params)
-
-
-def _as(t, dtype):
-    """``t`` in ``dtype`` (None stays None)."""
-    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -35,7 +30,7 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16):
-        xc = x if x.dtype == cdt else x.to(cdt)
+        xc = as_dtype(x, cdt)
         w, b = _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
         xw = xc if xc.dtype in _WIDE else xc.float()
@@ -62,14 +57,14 @@ class _LayerNorm(torch.autograd.Function):
         xh, rstd, w, b = saved_tensors(ctx)
         need = ctx.needs_input_grad
         cdt = ctx.cdt
-        g = gy if gy.dtype == cdt else gy.to(cdt)
+        g = as_dtype(gy, cdt)
         zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, _as(xh, cdt), ctx.normalized_shape, zero, one,
+            g, as_dtype(xh, cdt), ctx.normalized_shape, zero, one,
             w, b, [need[0], w is not None and need[2], b is not None and need[3]])
         release(xh)
-        gx = _as(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
-        return (gx, None, _as(gw, ctx.p_dtypes[0]), _as(gb, ctx.p_dtypes[1]), None, None, None,
+        gx = as_dtype(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
+        return (gx, None, as_dtype(gw, ctx.p_dtypes[0]), as_dtype(gb, ctx.p_dtypes[1]), None, None, None,
                 None)
 
 
