@@ -1,8 +1,9 @@
-"""Layer cases shared by test_layers.py and test_amp.py: each Mesa layer, its plain ``nn``
-counterpart holding the same weights, and input shapes."""
+"""Layer cases shared by test_layers.py, test_shared_copies.py and test_amp.py: each Mesa layer,
+its plain ``nn`` counterpart holding the same weights, input shapes, and byte-count helpers."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn as nn
@@ -82,3 +83,36 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def clone_layer(m):
     return copy.deepcopy(m)
+
+
+def enable_mesa(layer, bits=8, **settings):
+    """Turn compression on at ``bits`` for every Mesa layer of ``layer`` (at least one)."""
+    n = ms.policy.set_mesa(layer, True, bits, **settings)
+    assert n >= 1
+    return layer
+
+
+def code_bytes(numel, bits):
+    """Bytes of ``numel`` packed codes at ``bits`` bits."""
+    return math.ceil(numel * bits / 8)
+
+
+def meter_bytes(layer, xs, requires_grad=True):
+    """(bytes autograd saves for one forward of ``layer`` on copies of ``xs``, the output)."""
+    leaves = [x.detach().clone().requires_grad_(requires_grad) for x in xs]
+    with ms.SavedActivationMeter(layer) as meter:
+        y = layer(*leaves)
+    return meter.total_bytes, y
+
+
+def unique_bytes(*tensors):
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def scale_bytes(groups):
+    """Bytes of the per-group fp32 step and shift a packed copy keeps (the quantizer may keep
+    them as rows of one small (k, G) float32 tensor): 'tiny', at most 16 bytes per group."""
+    qt = ms.Quantizer(groups, enable=True).quantize(torch.randn(2, 3, groups))
+    nbytes = unique_bytes(qt.step, qt.shift)
+    assert 8 * groups <= nbytes <= 16 * groups, nbytes
+    return nbytes
