@@ -157,10 +157,14 @@ class SwinTransformerBlock(nn.Module):
         if L != H * W:
             raise ValueError(f"expected {H * W} tokens ({H}x{W}), got {L}")
         shortcut = x
-        x = self.norm1(x).view(B, H, W, C)
+        x = x.view(B, H, W, C)
         if self.shift_size > 0:
             x = torch.roll(x, shifts=(-self.shift_size, -self.shift_size), dims=(1, 2))
         x_windows = window_partition(x, self.window_size).view(-1, self.window_size * self.window_size, C)
+        # norm1 per token after the shift and partition (the official order is norm1 first; a
+        # LayerNorm of each token is the same either way, bit for bit): the qkv Linear then takes
+        # norm1's output as it is and, under Mesa, stores no copy of its own
+        x_windows = self.norm1(x_windows)
         attn_windows = self.attn(x_windows, mask=self.attn_mask)
         attn_windows = attn_windows.view(-1, self.window_size, self.window_size, C)
         x = window_reverse(attn_windows, self.window_size, H, W)

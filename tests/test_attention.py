@@ -83,6 +83,22 @@ def test_sdpa_forward_exact_and_gradient_error(name):
     assert all(float(getattr(sdpa, f"quant_{c}").iteration) == 1 for c in "qkv")
 
 
+def test_sdpa_math_path_rows_masked_out_entirely():
+    """A window mask with -inf rows (every key masked): SDPA's safe softmax gives those rows 0
+    output and 0 gradient; the hand-written math backward must too (no NaN)."""
+    tensors, _, _, scale = _case("swin_bias_mask")
+    wm = torch.zeros(4, 49, 49)
+    wm[2, :5] = float("-inf")
+    sdpa = ms.SDPA(quant_groups=3, enable=True).train()
+    gy = torch.randn(8, 3, 49, 32)
+    y0, g0 = _run(lambda q, k, v, b: exact_sdpa(q, k, v, b, wm, scale), tensors, gy)
+    y1, g1 = _run(lambda q, k, v, b: sdpa(q, k, v, attn_mask=b, scale=scale, window_mask=wm), tensors, gy)
+    assert torch.equal(y1, y0) and not y0.isnan().any() and (y0[2::4, :, :5] == 0).all()
+    for a, b in zip(g1, g0):
+        assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-2
+    assert (g1[0][2::4, :, :5] == 0).all()  # dQ of the masked-out rows
+
+
 def test_sdpa_gaussian_inputs_and_low_bits():
     tensors, _, _, scale = _case("plain_oddN", "gauss")
     y0, g0 = _run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=scale), tensors,

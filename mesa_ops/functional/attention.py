@@ -6,8 +6,9 @@ it, e.g. when the additive mask needs a gradient), so the output is bit-identica
 training. For backward it keeps only q, k, v and the output, each packed through the Quantizer
 (head-wise groups, as Mesa stores attention tensors: Pan et al., arXiv 2111.11124, Sec. 3.3), and
 the fp32 softmax statistics (logsumexp, (B, H, N)) of the fused kernels; no N x M attention matrix
-is stored. Backward dequantizes and calls PyTorch's own SDPA backward op (for the math path it
-recomputes the math composite under autograd from the dequantized tensors).
+is stored. Backward dequantizes and calls PyTorch's own SDPA backward op; for the math path
+(no output or logsumexp kept) it recomputes the probabilities once from the dequantized q and k
+and takes the gradients by hand (:func:`_math_backward`).
 
 Shapes: q (B, H, N, D), k and v (B, H, M, D) (M != N for PVT's spatial reduction); ``bias``
 broadcastable to (B, H, N, M) (Swin's relative position bias as (1, H, N, M)); ``window_mask``
@@ -172,22 +173,43 @@ class _SDPA(torch.autograd.Function):
             if need_bias:
                 gbias = gb.sum_to_size(bias.shape)
         else:
-            with torch.enable_grad():
-                qr, kr, vr = (t.detach().requires_grad_() for t in (qh, kh, vh))
-                br = None if bias is None else bias.detach().requires_grad_(ctx.needs_input_grad[3])
-                amr = build_mask(br, window_mask, qr.shape[0], cdt)
-                out = aten._scaled_dot_product_attention_math(
-                    _split(qr, window_mask), _split(kr, window_mask), _split(vr, window_mask), amr, 0.0,
-                    False, None, scale=scale)[0].reshape(g.shape)
-                inputs = [qr, kr, vr] + ([br] if br is not None and br.requires_grad else [])
-                grads = torch.autograd.grad(out, inputs, g)
-            gq, gk, gv = grads[:3]
-            if len(grads) > 3:
-                gbias = grads[3]
+            gq, gk, gv, gbias = _math_backward(g, qh, kh, vh, am, window_mask, scale,
+                                               bias is not None and ctx.needs_input_grad[3])
+            if gbias is not None:  # (H, N, M) with a window mask, else (B, H, N, M)
+                gbias = gbias.unsqueeze(0) if gbias.dim() < bias.dim() else gbias
+                gbias = gbias.sum_to_size(bias.shape)
         release(qh, kh, vh, oh)
         dq, dk, dv, db = ctx.dtypes
         return (as_dtype(gq, dq), as_dtype(gk, dk), as_dtype(gv, dv), as_dtype(gbias, db),
                 None, None, None, None, None, None, None)
+
+
+def _math_backward(g, q, k, v, am, window_mask, scale, need_bias: bool):
+    """Gradients of softmax(q k^T * scale + am) v for the math path, by hand from q, k, v
+    (B, H, L, D): the probabilities P are recomputed once (one matmul and a softmax; no output
+    and no autograd graph), then dV = P^T g, dS = softmax'(g v^T), dQ = dS k * scale,
+    dK = dS^T q * scale and d(am) = dS summed over the batch (over the windows' batch items with
+    ``window_mask``: (H, N, M) then). Rows masked out entirely get P = 0, as SDPA's safe softmax."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q5, k5, v5, g5 = (_split(t, window_mask) for t in (q, k, v, g))
+    s = torch.matmul(q5, k5.transpose(-2, -1)).mul_(scale)
+    if am is not None:
+        s.add_(am)
+    if am is not None and bool(torch.isneginf(am).any()):
+        p = aten._safe_softmax(s, -1)
+    else:
+        p = torch.softmax(s, -1)
+    del s
+    gv = torch.matmul(p.transpose(-2, -1), g5)
+    ds = torch._softmax_backward_data(torch.matmul(g5, v5.transpose(-2, -1)), p, -1, p.dtype)
+    del p
+    gbias = None
+    if need_bias:
+        gbias = ds.sum((0, 1)) if window_mask is not None else ds
+    gq = torch.matmul(ds, k5).mul_(scale)
+    gk = torch.matmul(ds.transpose(-2, -1), q5).mul_(scale)
+    return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape), gbias
 
 
 def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = False) -> torch.Tensor:

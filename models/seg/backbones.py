@@ -222,14 +222,17 @@ class MesaSwinTransformer(_MesaBackbone):
         B, L, C = x.shape
         ws, ss = blk.window_size, blk.shift_size
         shortcut = x
-        x = blk.norm1(x).view(B, H, W, C)
         pad_b, pad_r = (-H) % ws, (-W) % ws
-        if pad_b or pad_r:
+        pad = bool(pad_b or pad_r)
+        x = (blk.norm1(x) if pad else x).view(B, H, W, C)
+        if pad:  # (official: the padding tokens are zeros after norm1)
             x = F.pad(x, (0, 0, 0, pad_r, 0, pad_b))
         Hp, Wp = H + pad_b, W + pad_r
         if ss > 0:
             x = torch.roll(x, shifts=(-ss, -ss), dims=(1, 2))
         windows = window_partition(x, ws).view(-1, ws * ws, C)
+        if not pad:  # norm1 per token after the partition, as SwinTransformerBlock.forward does
+            windows = blk.norm1(windows)
         windows = blk.attn(windows, mask=mask if ss > 0 else None).view(-1, ws, ws, C)
         x = window_reverse(windows, ws, Hp, Wp)
         if ss > 0:
