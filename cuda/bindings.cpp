@@ -27,7 +27,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("range_update_cpu", &mesa::range_update_cpu,
         "running-range update in place; returns (4, G): inv, step, shift, finite");
   m.def("quantize_step_cpu", &mesa::quantize_step_cpu,
-        "range_update_cpu + quantize_cpu in one call, seeded from a draw counter: (packed, step, shift, all finite, (4, G) rows)");
+        "range_update_cpu + quantize_cpu in one call, seeded from a draw counter: (packed, step, shift, all finite, (4, G) rows); "
+        "with row_mean/row_rstd (one per row of x) it stores (x - mean) * rstd",
+        py::arg("x"), py::arg("groups"), py::arg("inner"), py::arg("clip_val"), py::arg("shift"),
+        py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("batch_mode"),
+        py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
+        py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("row_mean") = py::none(),
+        py::arg("row_rstd") = py::none());
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

@@ -78,7 +78,8 @@ at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
-    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite);
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    const std::optional<at::Tensor>& row_mean, const std::optional<at::Tensor>& row_rstd);
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

@@ -38,6 +38,15 @@ struct Rows {
   }
 };
 
+// Optional per-row normalization applied to x before the range and the codes: element e reads
+// as (x[e] - mean[e / len]) * rstd[e / len] (a LayerNorm's x-hat from its input and statistics).
+// A group segment of `inner` elements lies in one such row (len % inner == 0, checked).
+struct RowNorm {
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  int64_t len = 1;
+};
+
 // (row_len, row_stride) of x when Rows can read it and every group segment of `inner` elements
 // lies inside one row; false otherwise (the caller then makes x contiguous).
 bool row_layout(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
@@ -119,10 +128,16 @@ inline __m256i quantize8_avx2(__m256 x, __m256 vsh, __m256 viv, __m256 u, __m256
 
 // Codes of elements [e, t) of one group (global indices; xs/out point at element s), 16 at a
 // time from e (a multiple of 16); returns where it stopped.
-template <typename T>
+template <bool NORM, typename T>
 inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e, int64_t t,
-                                 float iv, float sh, float maxq, uint64_t seed, bool stochastic) {
+                                 float iv, float sh, float maxq, uint64_t seed, bool stochastic,
+                                 float mean, float rstd) {
   const __m256 viv = _mm256_set1_ps(iv), vsh = _mm256_set1_ps(sh), vmax = _mm256_set1_ps(maxq);
+  const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd);
+  auto load = [&](const T* p) {
+    const __m256 v = Vec<T>::load8(p);
+    return NORM ? _mm256_mul_ps(_mm256_sub_ps(v, vm), vr) : v;
+  };
   const __m256 scale = _mm256_set1_ps(kNoiseScale);
   __m256 u0 = _mm256_set1_ps(0.5f), u1 = u0;
   const __m256i k0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(seed)));
@@ -139,8 +154,8 @@ inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e
       u1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), scale);
     }
     const T* xp = xs + (e - s);
-    const __m256i qa = quantize8_avx2(Vec<T>::load8(xp), vsh, viv, u0, vmax);
-    const __m256i qb = quantize8_avx2(Vec<T>::load8(xp + 8), vsh, viv, u1, vmax);
+    const __m256i qa = quantize8_avx2(load(xp), vsh, viv, u0, vmax);
+    const __m256i qb = quantize8_avx2(load(xp + 8), vsh, viv, u1, vmax);
     store_low_bytes16(qa, qb, out + (e - s));
   }
   return e;
@@ -148,14 +163,20 @@ inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e
 
 // Running min/max/non-finite over n values (two accumulators per bound to halve the latency
 // chains); returns how many were done (a multiple of 16).
-template <typename T>
-inline int64_t minmax_run_avx2(const T* p, int64_t n, float* lo, float* hi, uint32_t* bad) {
+template <bool NORM, typename T>
+inline int64_t minmax_run_avx2(const T* p, int64_t n, float* lo, float* hi, uint32_t* bad,
+                               float mean, float rstd) {
   __m256 lo0 = _mm256_set1_ps(*lo), hi0 = _mm256_set1_ps(*hi), lo1 = lo0, hi1 = hi0;
+  const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd);
   const __m256i expo = _mm256_set1_epi32(0x7f800000);
   __m256i vbad = _mm256_setzero_si256();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 a = Vec<T>::load8(p + i), b = Vec<T>::load8(p + i + 8);
+    __m256 a = Vec<T>::load8(p + i), b = Vec<T>::load8(p + i + 8);
+    if (NORM) {
+      a = _mm256_mul_ps(_mm256_sub_ps(a, vm), vr);
+      b = _mm256_mul_ps(_mm256_sub_ps(b, vm), vr);
+    }
     lo0 = _mm256_min_ps(a, lo0);  // v < lo ? v : lo
     hi0 = _mm256_max_ps(a, hi0);  // v > hi ? v : hi
     lo1 = _mm256_min_ps(b, lo1);
@@ -200,7 +221,7 @@ inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t gr
 template <typename scalar_t>
 void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t begin,
                    int64_t end, const float* inv, const float* shift, int64_t inner, int64_t groups,
-                   int bits, uint64_t seed, bool stochastic) {
+                   int bits, uint64_t seed, bool stochastic, const RowNorm& rn) {
   const float maxq = static_cast<float>((1u << bits) - 1u);
   for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
     const scalar_t* __restrict__ xs = x.at(s);
@@ -211,16 +232,22 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
     }
     const float iv = inv[g];
     const float sh = shift[g];
+    const bool norm = rn.mean != nullptr;
+    const float m = norm ? rn.mean[s / rn.len] : 0.0f;
+    const float r = norm ? rn.rstd[s / rn.len] : 1.0f;
     auto one = [&](int64_t e) {
       const float u = stochastic ? uniform(seed, e) : 0.5f;
-      out[e - s] = static_cast<uint8_t>(quantize_one(static_cast<float>(xs[e - s]), iv, sh, u, maxq));
+      const float v = static_cast<float>(xs[e - s]);
+      out[e - s] = static_cast<uint8_t>(quantize_one(norm ? normalize_one(v, m, r) : v, iv, sh, u, maxq));
     };
     int64_t e = s;
     const int64_t head = std::min(t, (s + 15) & ~static_cast<int64_t>(15));
     for (; e < head; ++e) one(e);
 #if defined(__AVX2__)
-    if constexpr (Vec<scalar_t>::value)
-      e = quantize_run_avx2(xs, out, s, e, t, iv, sh, maxq, seed, stochastic);
+    if constexpr (Vec<scalar_t>::value) {
+      e = norm ? quantize_run_avx2<true>(xs, out, s, e, t, iv, sh, maxq, seed, stochastic, m, r)
+               : quantize_run_avx2<false>(xs, out, s, e, t, iv, sh, maxq, seed, stochastic, m, r);
+    }
 #endif
     for (; e < t; ++e) one(e);
   });
@@ -309,7 +336,8 @@ at::Tensor readable(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_
 }
 
 void quantize_into(const at::Tensor& x, const float* iv, const float* sh, int64_t bits,
-                   int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* o) {
+                   int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* o,
+                   const RowNorm& rn = RowNorm()) {
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
   const int64_t n = xr.numel();
@@ -325,9 +353,9 @@ void quantize_into(const at::Tensor& x, const float* iv, const float* sh, int64_
         const int64_t begin = t * kTile;
         const int64_t end = std::min(n, begin + kTile);
         if (b == 8) {
-          quantize_tile(rows, o + begin, begin, end, iv, sh, inner, groups, b, useed, stochastic);
+          quantize_tile(rows, o + begin, begin, end, iv, sh, inner, groups, b, useed, stochastic, rn);
         } else {
-          quantize_tile(rows, codes.data(), begin, end, iv, sh, inner, groups, b, useed, stochastic);
+          quantize_tile(rows, codes.data(), begin, end, iv, sh, inner, groups, b, useed, stochastic, rn);
           pack_codes(codes.data(), end - begin, b, o + begin / per);
         }
       }
@@ -337,7 +365,7 @@ void quantize_into(const at::Tensor& x, const float* iv, const float* sh, int64_
 
 // Per-group min/max/non-finite of x (any layout) into lo/hi (NaN where non-finite).
 void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float* out_lo,
-                       float* out_hi) {
+                       float* out_hi, const RowNorm& rn = RowNorm()) {
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
   const int64_t segments = xr.numel() / inner;  // outer * groups
@@ -360,11 +388,17 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
         float l = mn[g], h = mx[g];
         uint32_t nf = 0;
         int64_t i = 0;
+        const bool norm = rn.mean != nullptr;
+        const float m = norm ? rn.mean[s * inner / rn.len] : 0.0f;
+        const float r = norm ? rn.rstd[s * inner / rn.len] : 1.0f;
 #if defined(__AVX2__)
-        if constexpr (Vec<scalar_t>::value) i = minmax_run_avx2(p, inner, &l, &h, &nf);
+        if constexpr (Vec<scalar_t>::value) {
+          i = norm ? minmax_run_avx2<true>(p, inner, &l, &h, &nf, m, r)
+                   : minmax_run_avx2<false>(p, inner, &l, &h, &nf, m, r);
+        }
 #endif
         for (; i < inner; ++i) {
-          const float v = static_cast<float>(p[i]);
+          const float v = norm ? normalize_one(static_cast<float>(p[i]), m, r) : static_cast<float>(p[i]);
           uint32_t b;
           std::memcpy(&b, &v, sizeof(b));
           l = v < l ? v : l;
@@ -415,7 +449,7 @@ void check_cpu_input(const char* op, const at::Tensor& x, int64_t groups, int64_
 bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor& clip_val,
                        at::Tensor& shift, at::Tensor& iteration, double decay,
                        double one_minus_decay, bool batch_mode, int64_t bits, bool update,
-                       float* o) {
+                       float* o, const RowNorm& rn = RowNorm()) {
   for (const at::Tensor* t : {&clip_val, &shift}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
                     t->device().is_cpu(),
@@ -426,7 +460,7 @@ bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::T
               "mesa range_update: iteration must be a float32 tensor of 1 element");
   check_bits("range_update", bits);
   std::vector<float> lo(static_cast<size_t>(groups)), hi(static_cast<size_t>(groups));
-  group_minmax_into(x, groups, inner, lo.data(), hi.data());
+  group_minmax_into(x, groups, inner, lo.data(), hi.data(), rn);
   bool finite = true;
   for (int64_t g = 0; g < groups; ++g) {
     const bool f = std::isfinite(lo[g]) && std::isfinite(hi[g]);
@@ -634,8 +668,27 @@ uint64_t splitmix64(uint64_t z) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
-    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite) {
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    const std::optional<at::Tensor>& row_mean, const std::optional<at::Tensor>& row_rstd) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
+  RowNorm rn;
+  if (row_mean.has_value() && row_mean->defined()) {
+    TORCH_CHECK(row_rstd.has_value() && row_rstd->defined(),
+                "mesa quantize_step_cpu: row_mean given without row_rstd");
+    const int64_t rows = row_mean->numel();
+    for (const at::Tensor* t : {&*row_mean, &*row_rstd})
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == rows && rows > 0 && x.numel() % rows == 0,
+                  "mesa quantize_step_cpu: row_mean/row_rstd must be contiguous float32 CPU "
+                  "tensors of one value per row of x");
+    TORCH_CHECK(x.scalar_type() != at::kDouble,
+                "mesa quantize_step_cpu: row normalization takes float32/16 or bfloat16 x");
+    rn.len = x.numel() / rows;
+    TORCH_CHECK(rn.len % inner == 0, "mesa quantize_step_cpu: a row of ", rn.len,
+                " elements is not a whole number of groups of ", inner);
+    rn.mean = row_mean->data_ptr<float>();
+    rn.rstd = row_rstd->data_ptr<float>();
+  }
   TORCH_CHECK(draws.device().is_cpu() && draws.scalar_type() == at::kLong && draws.numel() == 1,
               "mesa quantize_step_cpu: draws must be a (1,) int64 CPU tensor");
   int64_t seed = 0;
@@ -649,14 +702,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
   auto params = at::empty({4, groups}, x.options().dtype(at::kFloat));
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
-                                        one_minus_decay, batch_mode, bits, update, o);
+                                        one_minus_decay, batch_mode, bits, update, o, rn);
   if (!finite && mark_nonfinite) {
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
   }
   auto packed = packed_for(x, bits);
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
-                packed.data_ptr<uint8_t>());
+                packed.data_ptr<uint8_t>(), rn);
   return {packed, params.select(0, 1), params.select(0, 2), finite, params};
 }
 

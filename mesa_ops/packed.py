@@ -376,8 +376,11 @@ def save_for_backward(ctx, *items) -> None:
     ctx.mesa_layout = layout
 
 
-def saved_tensors(ctx) -> list:
-    """The items given to :func:`save_for_backward`, packed copies restored."""
+def saved_tensors(ctx, split_affine: bool = False) -> list:
+    """The items given to :func:`save_for_backward`, packed copies restored. With
+    ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
+    bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
+    smaller tensor)."""
     flat = ctx.saved_tensors
     out = []
     for kind, i, n, meta in ctx.mesa_layout:
@@ -385,6 +388,8 @@ def saved_tensors(ctx) -> list:
             out.append(None)
         elif kind is torch.Tensor:
             out.append(flat[i])
+        elif split_affine and kind is AffineQTensor:
+            out.append((QTensor.restore(flat[i:i + 3], meta), flat[i + 3], flat[i + 4]))
         else:
             out.append(kind.restore(flat[i:i + n], meta))
     return out

@@ -233,17 +233,39 @@ class QuantMixin:
         self.__dict__["_salt_cache"] = (key, salt)
         return salt
 
-    def quantize(self, x: torch.Tensor, amp16: bool = False) -> QTensor:
+    def quantize(self, x: torch.Tensor, amp16: bool = False,
+                 norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> QTensor:
         """Update the running range from ``x`` and return its packed copy (training only).
-        ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips)."""
+        ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips).
+        ``norm`` = (mean, rstd), float32 with one value per row of the trailing dims they
+        reduce (a LayerNorm's statistics, shaped (..., 1, ...)): store x-hat = (x - mean) * rstd
+        in float32 instead of x (the CPU kernel normalizes while it reads x; elsewhere x-hat is
+        computed first, with the same operations)."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._quantize(x, amp16)
-        return self._quantize(x, amp16)
+                return self._quantize(x, amp16, norm)
+        return self._quantize(x, amp16, norm)
 
-    def _quantize(self, x: torch.Tensor, amp16: bool) -> QTensor:
+    def _fuses_norm(self, x: torch.Tensor, mean: torch.Tensor) -> bool:
+        """Whether the CPU kernel can normalize ``x`` rows while quantizing them: eager CPU,
+        float32/16 or bfloat16 ``x`` read as it is (groups along the last dim) and statistics
+        whose rows hold whole groups."""
+        if compiling() or x.dtype not in _NORM_DTYPES or x.is_cuda or self.group_dim != "last":
+            return False
+        be = get_backend(x)
+        if not getattr(be, "has_quantize_step", False) or (self.dist_sync and ops.dist_world() > 1):
+            return False
+        rows = mean.numel()
+        if mean.dtype != torch.float32 or rows == 0 or x.numel() % rows or not mean.is_contiguous():
+            return False
+        return (x.numel() // rows) % self.groups_for(x.shape)[1] == 0
+
+    def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         # runs once per stored activation: kept to few Python operations
-        shape, dtype = x.shape, x.dtype
+        if norm is not None and not self._fuses_norm(x, norm[0]):
+            x = torch.sub(x if x.dtype in _WIDE else x.float(), norm[0]).mul_(norm[1])
+            norm = None
+        shape, dtype = x.shape, (x.dtype if norm is None else torch.float32)
         range_mode = self.range_mode
         if range_mode != "ema" and range_mode != "batch":
             raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
@@ -268,7 +290,8 @@ class QuantMixin:
             prefix = ops.signed64(ops.seed_prefix(self._salt())) if stochastic else 0
             packed, step, sh, finite, _ = be.quantize_step(
                 xs, g, inner, clip, shift, it, d, 1.0 - d, range_mode == "batch", bits, update,
-                prefix, self._draws, stochastic, mode == "skip")
+                prefix, self._draws, stochastic, mode == "skip",
+                *(() if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))))
             if not finite:
                 name = self.describe()
                 if ops.must_report_nonfinite(mode, name):
@@ -284,6 +307,10 @@ class QuantMixin:
         packed = ops.quantize(xs, inv, sh, self._draws, name, bits, g, inner,
                               bool(self.stochastic), update)
         return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
+
+
+_WIDE = (torch.float32, torch.float64)
+_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Quantizer(QuantMixin, torch.nn.Module):

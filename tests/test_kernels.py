@@ -362,6 +362,40 @@ def test_cpp_quantize_step_equals_range_update_then_quantize(cpp_backend, ref_ba
     assert torch.isnan(sh[1]) and torch.equal(sh[[0, 2, 3]], rows[2, [0, 2, 3]])
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("layout", ("strided", "contiguous"))
+def test_cpp_quantize_step_normalizes_rows_as_the_reference(cpp_backend, ref_backend, dtype, layout):
+    """A LayerNorm's x-hat: quantize_step with row_mean/row_rstd (the kernel normalizes while it
+    reads x) gives the state, rows and codes of quantize_step on (x.float() - mean) * rstd computed
+    by torch first, bit for bit (odd row length, 1 and 3 groups, 8/4/2 bits); bad statistics are
+    refused by name."""
+    base = torch.randn(3, 23, 2 * 36, dtype=dtype) * 3 + 5
+    x = base[..., :36] if layout == "strided" else base[..., :36].contiguous()
+    var, mean = torch.var_mean(x.float(), dim=-1, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + 1e-5)
+    xhat = torch.sub(x.float(), mean).mul_(rstd)
+    for g, inner in ((1, 36), (3, 12)):
+        for bits in (8, 4, 2):
+            outs = []
+            for arg, norm in ((x, (mean.reshape(-1), rstd.reshape(-1))), (xhat, ())):
+                st = [torch.ones(g), torch.zeros(g), torch.zeros(1)]
+                draws = torch.tensor([3], dtype=torch.int64)
+                r = cpp_backend.quantize_step(arg, g, inner, *st, 0.9, 0.1, False, bits, True, 99,
+                                              draws, True, False, *norm)
+                outs.append((r, st))
+            (r1, st1), (r2, st2) = outs
+            assert all(torch.equal(a, b) for a, b in zip(st1, st2)), (g, bits)
+            assert torch.equal(r1[4], r2[4]) and torch.equal(r1[0], r2[0]), (g, bits)
+    with pytest.raises(RuntimeError, match="whole number of groups"):
+        cpp_backend.quantize_step(x, 3, 12, torch.ones(3), torch.zeros(3), torch.zeros(1), 0.9,
+                                  0.1, False, 8, True, 1, torch.zeros(1, dtype=torch.int64), True,
+                                  False, torch.zeros(3 * 23 * 2), torch.ones(3 * 23 * 2))
+    with pytest.raises(RuntimeError, match="one value per row"):
+        cpp_backend.quantize_step(x, 1, 36, torch.ones(1), torch.zeros(1), torch.zeros(1), 0.9,
+                                  0.1, False, 8, True, 1, torch.zeros(1, dtype=torch.int64), True,
+                                  False, torch.zeros(5), torch.ones(5))
+
+
 # ---- backend selection ----------------------------------------------------------------------
 def test_mesa_backend_env_var(monkeypatch, no_forced_backend, cpp_backend):
     t = torch.zeros(3)

@@ -27,7 +27,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        xh, weight = saved_tensors(ctx)
+        xh, weight = saved_tensors(ctx, split_affine=True)
         cdt = ctx.cdt
         g = as_dtype(gy, cdt)
         gx = gw = gb = None
@@ -37,13 +37,31 @@ class _Linear(torch.autograd.Function):
             gx = g2.mm(as_dtype(weight, cdt))
             gx = gx.view(*g.shape[:-1], gx.shape[-1])
             gx = as_dtype(gx, ctx.x_dtype)
+        gsum = g2.sum(0) if ctx.has_bias and need[2] else None
         if need[1]:
-            x2 = xh.reshape(-1, xh.shape[-1])
-            gw = as_dtype(g2.t().mm(as_dtype(x2, cdt)), weight.dtype)
+            if isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
+                # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
+                xh, a, c = xh
+                gw = _gw(g2, xh, cdt)
+                if gw.dtype not in (torch.float32, torch.float64):  # the fold in float32
+                    gw = gw.float()
+                if a is not None:
+                    gw = gw.mul_(as_dtype(a, gw.dtype))
+                if c is not None:
+                    gsum = g2.sum(0) if gsum is None else gsum
+                    gw = gw.addr_(as_dtype(gsum, gw.dtype), as_dtype(c, gw.dtype))
+            else:
+                gw = _gw(g2, xh, cdt)
+            gw = as_dtype(gw, weight.dtype)
         if ctx.has_bias and need[2]:
-            gb = as_dtype(g2.sum(0), ctx.b_dtype)
+            gb = as_dtype(gsum, ctx.b_dtype)
         release(xh)
         return gx, gw, gb, None, None, None
+
+
+def _gw(g2, x, cdt):
+    """g2^T x for g2 (tokens, out) and x (..., in): (out, in)."""
+    return g2.t().mm(as_dtype(x.reshape(-1, x.shape[-1]), cdt))
 
 
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:

@@ -33,14 +33,14 @@ class _LayerNorm(torch.autograd.Function):
         xc = as_dtype(x, cdt)
         w, b = _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
-        xw = xc if xc.dtype in _WIDE else xc.float()
         ctx.stats_dtype = mean.dtype
         if mean.dtype not in _WIDE:  # (CPU, fp16/bf16 parameters: statistics rounded to that
             # dtype, whose error would be a whole-row offset of x-hat): fp32 statistics
             dims = tuple(range(-len(normalized_shape), 0))
-            var, mean = torch.var_mean(xw, dim=dims, correction=0, keepdim=True)
+            var, mean = torch.var_mean(xc.float(), dim=dims, correction=0, keepdim=True)
             rstd = torch.rsqrt(var.add_(eps))
-        qx = quant.quantize(torch.sub(xw, mean).mul_(rstd), amp16)
+        # x-hat = (x - mean) * rstd in float32 or wider (normalized by the kernel as it reads x)
+        qx = quant.quantize(xc, amp16, norm=(mean, rstd))
         save_for_backward(ctx, qx, rstd, w, b)
         ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
