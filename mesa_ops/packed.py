@@ -36,7 +36,8 @@ class QTensor(NamedTuple):
     bits: int
     groups: int
     inner: int
-    transposed: bool  # stored as x.transpose(-2, -1) (memory order of a transposed input)
+    transposed: int  # memory order stored: 0 as x; 1 (True) x.transpose(-2, -1) (a transposed
+    # input); CHANNELS_LAST: x.permute(0, 2, 3, 1) (a channels-last 4-D input)
 
     def tensors(self):
         return (self.packed, self.step, self.shift)
@@ -178,7 +179,13 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     return out
 
 
-def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
+CHANNELS_LAST = 2  # QTensor.transposed of a copy stored in (B, H, W, C) order
+
+
+def _shaped(flat: torch.Tensor, shape, transposed: int) -> torch.Tensor:
+    if transposed == CHANNELS_LAST:
+        b, c, h, w = shape
+        return flat.view(b, h, w, c).permute(0, 3, 1, 2)
     if transposed:
         s = list(shape)
         s[-2], s[-1] = s[-1], s[-2]
@@ -186,17 +193,21 @@ def _shaped(flat: torch.Tensor, shape, transposed: bool) -> torch.Tensor:
     return flat.view(shape)
 
 
-def _memory_view(x: torch.Tensor, allow_transposed: bool = True,
-                 copy: bool = True) -> tuple[torch.Tensor, bool]:
-    """A contiguous tensor holding ``x``'s values without a copy where one exists (a transposed
-    view only for dim-1 groups, which a swap of the last two dims leaves in place); with
+def _memory_view(x: torch.Tensor, allow_transposed: bool = True, copy: bool = True,
+                 allow_channels_last: bool = False) -> tuple[torch.Tensor, int]:
+    """A contiguous tensor holding ``x``'s values without a copy where one exists, and its
+    layout code (:class:`QTensor`.transposed): a transposed view only for dim-1 groups, which a
+    swap of the last two dims leaves in place; with ``allow_channels_last`` the (B, H, W, C)
+    view of a channels-last 4-D ``x`` (PVT's spatial-reduction conv input). With
     ``copy=False`` any other ``x`` is returned as it is (the CPU kernel reads it in place or
     copies it itself)."""
     if x.is_contiguous():
-        return x, False
+        return x, 0
     if allow_transposed and x.dim() >= 4 and x.transpose(-2, -1).is_contiguous():  # k^T
-        return x.transpose(-2, -1), True
-    return (x.contiguous() if copy else x), False
+        return x.transpose(-2, -1), 1
+    if allow_channels_last and x.dim() == 4 and x.permute(0, 2, 3, 1).is_contiguous():
+        return x.permute(0, 2, 3, 1), CHANNELS_LAST
+    return (x.contiguous() if copy else x), 0
 
 
 class _Workspace:
@@ -345,7 +356,7 @@ def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
         return qt if qt.bits == quant else None
     if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
         return None
-    if qt.transposed and quant.group_dim != "channel":
+    if (qt.transposed and quant.group_dim != "channel") or qt.transposed == CHANNELS_LAST:
         return None
     shape = list(t.shape)
     if qt.transposed:

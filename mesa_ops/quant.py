@@ -35,7 +35,7 @@ import torch
 
 from . import ops
 from .backend import get_backend
-from .packed import QTensor, _memory_view, compiling, in_backward
+from .packed import CHANNELS_LAST, QTensor, _memory_view, compiling, in_backward
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
 from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # noqa: F401
                      once_differentiable, pack_mask, release, save_for_backward, saved_tensors)
@@ -246,6 +246,18 @@ class QuantMixin:
                 return self._quantize(x, amp16, norm)
         return self._quantize(x, amp16, norm)
 
+    def _layout(self, x: torch.Tensor, copy: bool):
+        """(tensor to quantize, its layout code, G, inner): ``x`` itself or the memory-order view
+        of a transposed (k^T) or channels-last 4-D ``x`` for channel groups (then the groups
+        lie along the view's last dim: inner = C / G), see :func:`_memory_view`. May resize the
+        state (group_size): read it after."""
+        channel = self.group_dim == "channel"
+        xs, layout = _memory_view(x, allow_transposed=channel, copy=copy, allow_channels_last=channel)
+        if layout == CHANNELS_LAST:
+            g = self.groups_for(x.shape)[0]
+            return xs, layout, g, x.shape[1] // g
+        return (xs, layout) + self.groups_for(xs.shape)
+
     def _fuses_norm(self, x: torch.Tensor, mean: torch.Tensor) -> bool:
         """Whether the CPU kernel can normalize ``x`` rows while quantizing them: eager CPU,
         float32/16 or bfloat16 ``x`` read as it is (groups along the last dim) and statistics
@@ -282,9 +294,7 @@ class QuantMixin:
         fused = getattr(be, "has_quantize_step", False) and not (
             self.dist_sync and update and ops.dist_world() > 1)
         if fused:
-            xs, transposed = _memory_view(x, allow_transposed=self.group_dim == "channel",
-                                          copy=False)
-            g, inner = self.groups_for(xs.shape)  # (may resize the state: read it after)
+            xs, transposed, g, inner = self._layout(x, copy=False)
             clip, shift, it = self._state()
             stochastic = bool(self.stochastic)
             prefix = ops.signed64(ops.seed_prefix(self._salt())) if stochastic else 0
@@ -298,8 +308,7 @@ class QuantMixin:
                     ops._nonfinite(mode, name, tuple(xs.shape))
             return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
         name = self.describe()
-        xs, transposed = _memory_view(x.detach(), allow_transposed=self.group_dim == "channel")
-        g, inner = self.groups_for(xs.shape)
+        xs, transposed, g, inner = self._layout(x.detach(), copy=True)
         clip, shift, it = self._state()
         params = ops.range_update(xs, clip, shift, it, g, inner, d, range_mode == "batch", bits,
                                   update, mode, name, bool(self.dist_sync))

@@ -141,6 +141,33 @@ def test_conv2d_variants(kwargs):
     assert rel_err(g1["x0"], g0["x0"]) <= 1e-6
 
 
+def test_conv2d_channels_last_input_stored_in_memory_order():
+    """A channels-last input (PVT's spatial-reduction conv: a (B, N, C) token tensor viewed as
+    (B, C, H, W)) is packed in its memory order with groups along C, no transposing copy: same
+    running range as the contiguous input, the same values with round-to-nearest, restored as a
+    channels-last tensor; forward exact and weight gradient within the 8-bit bound."""
+    from mesa_ops.packed import CHANNELS_LAST
+    x = torch.randn(2, 8, 9, 11) * 2 + 1
+    xl = x.contiguous(memory_format=torch.channels_last)
+    qs = [ms.Conv2d(8, 12, 3, quant_groups=2, enable=True).train() for _ in range(2)]
+    for q in qs:
+        q.stochastic = False
+    a, b = qs[0].quantize(x), qs[1].quantize(xl)
+    assert a.transposed == 0 and b.transposed == CHANNELS_LAST and b.inner == 4
+    assert torch.equal(qs[0].clip_val, qs[1].clip_val) and torch.equal(qs[0].shift, qs[1].shift)
+    rb = b.dequantize()
+    assert rb.is_contiguous(memory_format=torch.channels_last) and torch.equal(rb, a.dequantize())
+    plain, mesa, _ = make_pair("Conv2d", plain=lambda: nn.Conv2d(8, 12, 3, padding=1),
+                               mesa=lambda: ms.Conv2d(8, 12, 3, padding=1))
+    enable_mesa(mesa, 8)
+    xs = [inputs([(2, 11, 9, 8)])[0].permute(0, 3, 1, 2)]  # (channels-last)
+    y0, gy, g0 = run(plain, xs)
+    y1, _, g1 = run(mesa, xs, gy)
+    assert torch.equal(y1, y0)
+    assert rel_err(g1["weight"], g0["weight"]) <= 1e-2
+    assert rel_err(g1["x0"], g0["x0"]) <= 1e-6
+
+
 @pytest.mark.parametrize("variant", ["no-affine", "no-bias", "2d-normalized-shape"])
 def test_layer_norm_variants(variant):
     kw, shape, ns = {}, (6, 10, 32), 32

@@ -30,7 +30,9 @@ class _LayerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16):
-        xc = as_dtype(x, cdt)
+        # (aten's LayerNorm reads a contiguous copy of a strided x, PVT's patch-embedding
+        # tokens (B, C, N).transpose: taken once here, it serves the kernel that packs x too)
+        xc = as_dtype(x, cdt).contiguous()
         w, b = _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
         ctx.stats_dtype = mean.dtype
