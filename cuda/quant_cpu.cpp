@@ -126,79 +126,69 @@ inline __m256i quantize8_avx2(__m256 x, __m256 vsh, __m256 viv, __m256 u, __m256
   return _mm256_cvttps_epi32(v);
 }
 
+// The loop-invariant vectors of quantize_run_avx2 (built once per tile, not once per run).
+struct QuantConsts {
+  __m256 vmax, scale;
+  __m256i k0, iota, lo16;
+  uint64_t seed;
+  bool stochastic;
+  QuantConsts(float maxq, uint64_t sd, bool st)
+      : vmax(_mm256_set1_ps(maxq)), scale(_mm256_set1_ps(kNoiseScale)),
+        k0(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(sd)))),
+        iota(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), lo16(_mm256_set1_epi32(0xffff)), seed(sd),
+        stochastic(st) {}
+};
+
 // Codes of elements [e, t) of one group (global indices; xs/out point at element s), 16 at a
 // time from e (a multiple of 16); returns where it stopped.
 template <bool NORM, typename T>
 inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e, int64_t t,
-                                 float iv, float sh, float maxq, uint64_t seed, bool stochastic,
-                                 float mean, float rstd) {
-  const __m256 viv = _mm256_set1_ps(iv), vsh = _mm256_set1_ps(sh), vmax = _mm256_set1_ps(maxq);
+                                 float iv, float sh, const QuantConsts& k, float mean, float rstd) {
+  const __m256 viv = _mm256_set1_ps(iv), vsh = _mm256_set1_ps(sh);
   const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd);
   auto load = [&](const T* p) {
     const __m256 v = Vec<T>::load8(p);
     return NORM ? _mm256_mul_ps(_mm256_sub_ps(v, vm), vr) : v;
   };
-  const __m256 scale = _mm256_set1_ps(kNoiseScale);
   __m256 u0 = _mm256_set1_ps(0.5f), u1 = u0;
-  const __m256i k0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(seed)));
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i lo16 = _mm256_set1_epi32(0xffff);
   for (; e + 16 <= t; e += 16) {
-    if (stochastic) {
+    if (k.stochastic) {
       const uint64_t p = static_cast<uint64_t>(e) >> 1;  // pair of element e (e % 16 == 0)
-      const __m256i pl = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(p))), iota);
+      const __m256i pl = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(p))), k.iota);
       const __m256i hk = _mm256_set1_epi32(static_cast<int>(
-          (static_cast<uint32_t>(p >> 32) ^ static_cast<uint32_t>(seed >> 32)) * kGolden));
-      const __m256i h = hash32_avx2(_mm256_add_epi32(_mm256_xor_si256(pl, k0), hk));
-      u0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, lo16)), scale);
-      u1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), scale);
+          (static_cast<uint32_t>(p >> 32) ^ static_cast<uint32_t>(k.seed >> 32)) * kGolden));
+      const __m256i h = hash32_avx2(_mm256_add_epi32(_mm256_xor_si256(pl, k.k0), hk));
+      u0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(h, k.lo16)), k.scale);
+      u1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 16)), k.scale);
     }
     const T* xp = xs + (e - s);
-    const __m256i qa = quantize8_avx2(load(xp), vsh, viv, u0, vmax);
-    const __m256i qb = quantize8_avx2(load(xp + 8), vsh, viv, u1, vmax);
+    const __m256i qa = quantize8_avx2(load(xp), vsh, viv, u0, k.vmax);
+    const __m256i qb = quantize8_avx2(load(xp + 8), vsh, viv, u1, k.vmax);
     store_low_bytes16(qa, qb, out + (e - s));
   }
   return e;
 }
 
-// Running min/max/non-finite over n values (two accumulators per bound to halve the latency
-// chains); returns how many were done (a multiple of 16).
+// Min/max/non-finite of n values (n % 8 == 0) folded into vector accumulators lo/hi/bad, which
+// stay vectors across the runs of one group (reduced to scalars once per thread, not per run).
 template <bool NORM, typename T>
-inline int64_t minmax_run_avx2(const T* p, int64_t n, float* lo, float* hi, uint32_t* bad,
-                               float mean, float rstd) {
-  __m256 lo0 = _mm256_set1_ps(*lo), hi0 = _mm256_set1_ps(*hi), lo1 = lo0, hi1 = hi0;
-  const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd);
+inline void minmax_acc_avx2(const T* p, int64_t n, __m256* lo, __m256* hi, __m256i* bad,
+                            __m256 vm, __m256 vr) {
   const __m256i expo = _mm256_set1_epi32(0x7f800000);
-  __m256i vbad = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m256 a = Vec<T>::load8(p + i), b = Vec<T>::load8(p + i + 8);
-    if (NORM) {
-      a = _mm256_mul_ps(_mm256_sub_ps(a, vm), vr);
-      b = _mm256_mul_ps(_mm256_sub_ps(b, vm), vr);
-    }
-    lo0 = _mm256_min_ps(a, lo0);  // v < lo ? v : lo
-    hi0 = _mm256_max_ps(a, hi0);  // v > hi ? v : hi
-    lo1 = _mm256_min_ps(b, lo1);
-    hi1 = _mm256_max_ps(b, hi1);
-    const __m256i ea = _mm256_and_si256(_mm256_castps_si256(a), expo);
-    const __m256i eb = _mm256_and_si256(_mm256_castps_si256(b), expo);
-    vbad = _mm256_or_si256(vbad, _mm256_or_si256(_mm256_cmpeq_epi32(ea, expo), _mm256_cmpeq_epi32(eb, expo)));
+  __m256 l = *lo, h = *hi;
+  __m256i b = *bad;
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 a = Vec<T>::load8(p + i);
+    if (NORM) a = _mm256_mul_ps(_mm256_sub_ps(a, vm), vr);
+    l = _mm256_min_ps(a, l);  // v < lo ? v : lo
+    h = _mm256_max_ps(a, h);  // v > hi ? v : hi
+    b = _mm256_or_si256(b, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(a), expo), expo));
   }
-  alignas(32) float l0[8], h0[8], l1[8], h1[8];
-  _mm256_store_ps(l0, lo0);
-  _mm256_store_ps(h0, hi0);
-  _mm256_store_ps(l1, lo1);
-  _mm256_store_ps(h1, hi1);
-  for (int j = 0; j < 8; ++j) {
-    *lo = l0[j] < *lo ? l0[j] : *lo;
-    *hi = h0[j] > *hi ? h0[j] : *hi;
-    *lo = l1[j] < *lo ? l1[j] : *lo;
-    *hi = h1[j] > *hi ? h1[j] : *hi;
-  }
-  *bad |= _mm256_testz_si256(vbad, vbad) ? 0u : 1u;
-  return i;
+  *lo = l;
+  *hi = h;
+  *bad = b;
 }
+
 #endif
 
 // Calls f(begin, end, group) for the maximal runs of [begin, end) that lie in one group.
@@ -217,14 +207,25 @@ inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t gr
 }
 
 // Codes of elements [begin, end) of one tile into codes[0, end - begin). A run of one group lies
-// in one row of `x`, so it is contiguous in memory.
+// in one row of `x`, so it is contiguous in memory; the row is tracked as the runs advance (no
+// division per run).
 template <typename scalar_t>
 void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t begin,
                    int64_t end, const float* inv, const float* shift, int64_t inner, int64_t groups,
                    int bits, uint64_t seed, bool stochastic, const RowNorm& rn) {
   const float maxq = static_cast<float>((1u << bits) - 1u);
+  const bool norm = rn.mean != nullptr;
+#if defined(__AVX2__)
+  const QuantConsts k(maxq, seed, stochastic);
+#endif
+  int64_t row = begin / x.row_len, col = begin % x.row_len;
   for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
-    const scalar_t* __restrict__ xs = x.at(s);
+    const scalar_t* __restrict__ xs = x.p + row * x.row_stride + col;
+    col += t - s;
+    if (col == x.row_len) {
+      col = 0;
+      ++row;
+    }
     uint8_t* __restrict__ out = codes + (s - begin);
     if (bits == 1) {
       for (int64_t e = s; e < t; ++e) out[e - s] = static_cast<uint8_t>(mask_one(static_cast<float>(xs[e - s])));
@@ -232,7 +233,6 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
     }
     const float iv = inv[g];
     const float sh = shift[g];
-    const bool norm = rn.mean != nullptr;
     const float m = norm ? rn.mean[s / rn.len] : 0.0f;
     const float r = norm ? rn.rstd[s / rn.len] : 1.0f;
     auto one = [&](int64_t e) {
@@ -245,8 +245,8 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
     for (; e < head; ++e) one(e);
 #if defined(__AVX2__)
     if constexpr (Vec<scalar_t>::value) {
-      e = norm ? quantize_run_avx2<true>(xs, out, s, e, t, iv, sh, maxq, seed, stochastic, m, r)
-               : quantize_run_avx2<false>(xs, out, s, e, t, iv, sh, maxq, seed, stochastic, m, r);
+      e = norm ? quantize_run_avx2<true>(xs, out, s, e, t, iv, sh, k, m, r)
+               : quantize_run_avx2<false>(xs, out, s, e, t, iv, sh, k, m, r);
     }
 #endif
     for (; e < t; ++e) one(e);
@@ -382,22 +382,41 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
     at::parallel_for(0, segments, grain, [&](int64_t s0, int64_t s1) {
       std::vector<float> mn(static_cast<size_t>(groups), inf), mx(static_cast<size_t>(groups), -inf);
       std::vector<uint32_t> bd(static_cast<size_t>(groups), 0u);
+      const bool norm = rn.mean != nullptr;
+#if defined(__AVX2__)
+      // whole segments of 8 go through per-group vector accumulators
+      const bool vec = Vec<scalar_t>::value && inner % 8 == 0;
+      std::vector<__m256> vlo(vec ? groups : 0, _mm256_set1_ps(inf));
+      std::vector<__m256> vhi(vec ? groups : 0, _mm256_set1_ps(-inf));
+      std::vector<__m256i> vbd(vec ? groups : 0, _mm256_setzero_si256());
+#endif
+      int64_t g = s0 % groups;
+      int64_t row = s0 * inner / row_len, col = s0 * inner % row_len;
       for (int64_t s = s0; s < s1; ++s) {
-        const int64_t g = s % groups;
-        const scalar_t* p = rows.at(s * inner);
-        float l = mn[g], h = mx[g];
-        uint32_t nf = 0;
-        int64_t i = 0;
-        const bool norm = rn.mean != nullptr;
+        const scalar_t* p = rows.p + row * row_stride + col;
+        col += inner;
+        if (col == row_len) {
+          col = 0;
+          ++row;
+        }
         const float m = norm ? rn.mean[s * inner / rn.len] : 0.0f;
         const float r = norm ? rn.rstd[s * inner / rn.len] : 1.0f;
 #if defined(__AVX2__)
-        if constexpr (Vec<scalar_t>::value) {
-          i = norm ? minmax_run_avx2<true>(p, inner, &l, &h, &nf, m, r)
-                   : minmax_run_avx2<false>(p, inner, &l, &h, &nf, m, r);
+        if (vec) {
+          if constexpr (Vec<scalar_t>::value) {
+            const __m256 vm = _mm256_set1_ps(m), vr = _mm256_set1_ps(r);
+            if (norm)
+              minmax_acc_avx2<true>(p, inner, &vlo[g], &vhi[g], &vbd[g], vm, vr);
+            else
+              minmax_acc_avx2<false>(p, inner, &vlo[g], &vhi[g], &vbd[g], vm, vr);
+          }
+          g = (g + 1 == groups) ? 0 : g + 1;
+          continue;
         }
 #endif
-        for (; i < inner; ++i) {
+        float l = mn[g], h = mx[g];
+        uint32_t nf = 0;
+        for (int64_t i = 0; i < inner; ++i) {
           const float v = norm ? normalize_one(static_cast<float>(p[i]), m, r) : static_cast<float>(p[i]);
           uint32_t b;
           std::memcpy(&b, &v, sizeof(b));
@@ -408,7 +427,22 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
         mn[g] = l;
         mx[g] = h;
         bd[g] |= nf;
+        g = (g + 1 == groups) ? 0 : g + 1;
       }
+#if defined(__AVX2__)
+      if (vec) {
+        alignas(32) float l8[8], h8[8];
+        for (int64_t q = 0; q < groups; ++q) {
+          _mm256_store_ps(l8, vlo[q]);
+          _mm256_store_ps(h8, vhi[q]);
+          for (int j = 0; j < 8; ++j) {
+            mn[q] = l8[j] < mn[q] ? l8[j] : mn[q];
+            mx[q] = h8[j] > mx[q] ? h8[j] : mx[q];
+          }
+          bd[q] |= _mm256_testz_si256(vbd[q], vbd[q]) ? 0u : 1u;
+        }
+      }
+#endif
       const int64_t base = static_cast<int64_t>(at::get_thread_num()) * slot;
       for (int64_t g = 0; g < groups; ++g) {
         mins[base + g] = std::min(mins[base + g], mn[g]);
