@@ -27,11 +27,14 @@ class _GELU(torch.autograd.Function):
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
         packed = qx.tensors() if isinstance(qx, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
+        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
         return (y,) + packed
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
+        if gy is None:  # (grads are not materialized: the output took no gradient)
+            return None, None, None, None, None
         (xq,) = saved_packed(ctx)
         cdt = ctx.cdt
         g = as_dtype(gy, cdt)
@@ -70,11 +73,14 @@ class _Softmax(torch.autograd.Function):
         ctx.mesa_name = quant.describe()
         packed = qy.tensors() if isinstance(qy, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
+        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
         return (y,) + packed  # the packed copy goes out too, for attn @ v to reuse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
+        if gy is None:  # (grads are not materialized: the output took no gradient)
+            return None, None, None, None, None
         (yh,) = saved_tensors(ctx)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
         release(yh)

@@ -49,6 +49,7 @@ class _LayerNorm(torch.autograd.Function):
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         packed = qx.tensors() if isinstance(qx, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
+        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
         if compiling():  # dynamo lets attributes be set on a single-output op's result only
             y = y.view_as(y)
         return (y,) + packed
@@ -56,6 +57,8 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
+        if gy is None:  # (grads are not materialized: the output took no gradient)
+            return (None,) * 8
         xh, rstd, w, b = saved_tensors(ctx)
         need = ctx.needs_input_grad
         cdt = ctx.cdt
