@@ -37,7 +37,7 @@ class _Linear(torch.autograd.Function):
             gx = g2.mm(as_dtype(weight, cdt))
             gx = gx.view(*g.shape[:-1], gx.shape[-1])
             gx = as_dtype(gx, ctx.x_dtype)
-        gsum = g2.sum(0) if ctx.has_bias and need[2] else None
+        gsum = _colsum(g2) if ctx.has_bias and need[2] else None
         if need[1]:
             if isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
                 # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
@@ -48,7 +48,7 @@ class _Linear(torch.autograd.Function):
                 if a is not None:
                     gw = gw.mul_(as_dtype(a, gw.dtype))
                 if c is not None:
-                    gsum = g2.sum(0) if gsum is None else gsum
+                    gsum = _colsum(g2) if gsum is None else gsum
                     gw = gw.addr_(as_dtype(gsum, gw.dtype), as_dtype(c, gw.dtype))
             else:
                 gw = _gw(g2, xh, cdt)
@@ -57,6 +57,15 @@ class _Linear(torch.autograd.Function):
             gb = as_dtype(gsum, ctx.b_dtype)
         release(xh)
         return gx, gw, gb, None, None, None
+
+
+def _colsum(g2):
+    """g2.sum(0) of a (tokens, out) gradient: for float32/64 as the product ones @ g2, which BLAS
+    takes in one pass over rows (measured 75 -> 34 us for 12544 x 64, PVT's stage 1; the same for
+    small sizes); other dtypes keep torch's sum (float32 accumulation)."""
+    if g2.dtype in (torch.float32, torch.float64) and g2.is_contiguous():
+        return g2.t().mv(g2.new_ones(g2.shape[0]))
+    return g2.sum(0)
 
 
 def _gw(g2, x, cdt):
