@@ -69,20 +69,21 @@ class QTensor(NamedTuple):
         return QTensor.restore(self.tensors(), self.meta())
 
 
+def _over_q(cls):
+    """``shape`` and ``bits`` of a packed copy that wraps a QTensor ``q`` (a NamedTuple takes no
+    mixin base, so they are added here, once for both)."""
+    cls.shape = property(lambda self: self.q.shape)
+    cls.bits = property(lambda self: self.q.bits)
+    return cls
+
+
+@_over_q
 class AffineQTensor(NamedTuple):
     """A tensor stored as ``q.dequantize() * weight + bias`` along its last dim (``weight``,
     ``bias``: (C,) or None): a LayerNorm's output, from the packed x-hat its backward keeps."""
     q: QTensor
     weight: torch.Tensor | None
     bias: torch.Tensor | None
-
-    @property
-    def shape(self):
-        return self.q.shape
-
-    @property
-    def bits(self) -> int:
-        return self.q.bits
 
     def tensors(self):
         return self.q.tensors() + (self.weight, self.bias)
@@ -112,6 +113,7 @@ def _gelu_table(levels: torch.Tensor, approximate: str) -> torch.Tensor:
 TABLE_FNS = {"gelu": _gelu_table}
 
 
+@_over_q
 class MappedQTensor(NamedTuple):
     """A tensor stored as f(x) of a packed x, f elementwise (GELU's output, from the packed
     input the GELU keeps for its own backward): restored through a table of f at the 2^bits
@@ -119,14 +121,6 @@ class MappedQTensor(NamedTuple):
     ``fn``: (name in :data:`TABLE_FNS`, *args)."""
     q: QTensor
     fn: tuple
-
-    @property
-    def shape(self):
-        return self.q.shape
-
-    @property
-    def bits(self) -> int:
-        return self.q.bits
 
     def tensors(self):
         return self.q.tensors()

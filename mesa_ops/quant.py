@@ -259,13 +259,10 @@ class QuantMixin:
         return (xs, layout) + self.groups_for(xs.shape)
 
     def _fuses_norm(self, x: torch.Tensor, mean: torch.Tensor) -> bool:
-        """Whether the CPU kernel can normalize ``x`` rows while quantizing them: eager CPU,
-        float32/16 or bfloat16 ``x`` read as it is (groups along the last dim) and statistics
-        whose rows hold whole groups."""
-        if compiling() or x.dtype not in _NORM_DTYPES or x.is_cuda or self.group_dim != "last":
-            return False
-        be = get_backend(x)
-        if not getattr(be, "has_quantize_step", False) or (self.dist_sync and ops.dist_world() > 1):
+        """Whether the one-call kernel (the caller checks it is in use) can normalize ``x``
+        rows while quantizing them: float32/16 or bfloat16 ``x`` read as it is (groups along
+        the last dim) and statistics whose rows hold whole groups."""
+        if x.dtype not in _NORM_DTYPES or self.group_dim != "last":
             return False
         rows = mean.numel()
         if mean.dtype != torch.float32 or rows == 0 or x.numel() % rows or not mean.is_contiguous():
@@ -274,10 +271,6 @@ class QuantMixin:
 
     def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         # runs once per stored activation: kept to few Python operations
-        if norm is not None and not self._fuses_norm(x, norm[0]):
-            x = torch.sub(x if x.dtype in _WIDE else x.float(), norm[0]).mul_(norm[1])
-            norm = None
-        shape, dtype = x.shape, (x.dtype if norm is None else torch.float32)
         range_mode = self.range_mode
         if range_mode != "ema" and range_mode != "batch":
             raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
@@ -293,6 +286,10 @@ class QuantMixin:
         # k, v of a fused qkv projection) in place
         fused = getattr(be, "has_quantize_step", False) and not (
             self.dist_sync and update and ops.dist_world() > 1)
+        if norm is not None and not (fused and self._fuses_norm(x, norm[0])):
+            x = torch.sub(x if x.dtype in _WIDE else x.float(), norm[0]).mul_(norm[1])
+            norm = None
+        shape, dtype = x.shape, (x.dtype if norm is None else torch.float32)
         if fused:
             xs, transposed, g, inner = self._layout(x, copy=False)
             clip, shift, it = self._state()
