@@ -32,8 +32,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("groups"), py::arg("inner"), py::arg("clip_val"), py::arg("shift"),
         py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("batch_mode"),
         py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
-        py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("row_mean") = py::none(),
-        py::arg("row_rstd") = py::none());
+        py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
+        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
+  m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
+        "CRC-32 of torch's default CPU generator state (= zlib.crc32 of its get_state() bytes)");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

@@ -79,7 +79,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
-    const std::optional<at::Tensor>& row_mean, const std::optional<at::Tensor>& row_rstd);
+    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd);
+int64_t generator_fingerprint_cpu();
 
 #ifdef MESA_WITH_CUDA
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,

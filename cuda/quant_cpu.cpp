@@ -2,6 +2,7 @@
 // Parallel over tiles of elements with at::parallel_for; inside a tile, runs of one group are
 // processed with constant scale/shift so the compiler can vectorise the loop.
 #include <torch/extension.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -9,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -550,7 +552,49 @@ uint64_t splitmix64(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
+
+// CRC-32 (zlib's: reflected polynomial 0xEDB88320), slicing by 8 bytes; = Python's zlib.crc32.
+struct Crc32Tables {
+  uint32_t t[8][256];
+  Crc32Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+  }
+};
+
+uint32_t crc32_bytes(const uint8_t* p, size_t n) {
+  static const Crc32Tables tab;
+  const auto& t = tab.t;
+  uint32_t c = 0xFFFFFFFFu;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= c;
+    c = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^
+        t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
+  }
+  for (; n > 0; --n, ++p) c = t[0][(c ^ *p) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
 }  // namespace
+
+// CRC-32 of torch's default CPU generator state (the bytes torch.default_generator.get_state()
+// returns), read without drawing from it: mesa_ops.ops.torch_fingerprint.
+int64_t generator_fingerprint_cpu() {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
+  return crc32_bytes(state.data_ptr<uint8_t>(), static_cast<size_t>(state.numel()));
+}
 
 // One call for what a Mesa layer does to store an activation: range_update_cpu, then
 // quantize_cpu with the rows it returns (inv, shift), reading x twice (min/max, codes) but in
@@ -558,14 +602,18 @@ uint64_t splitmix64(uint64_t z) {
 // group is NaN in the returned rows and in the codes (as the Python path under nonfinite='skip').
 // The stochastic-rounding seed is that of mesa_ops.ops.make_seed: splitmix64(prefix ^ n) with
 // the 62 low bits kept, n = draws[0] (the quantizer's (1,) int64 draw counter, advanced by one
-// when `update`); `prefix` is ops.seed_prefix (its 64 bits passed as a signed integer).
+// when `update`); `prefix` is ops.seed_prefix (its 64 bits passed as a signed integer), or with
+// `prefix_of_mix` the salt mix that ops.seed_prefix hashes with torch's generator state
+// (ops.salt_mix): the prefix is then splitmix64(generator_fingerprint_cpu() ^ mix), taken here
+// (the state hashed in C++, one Python step less per stored activation).
 // Returns (packed codes, step (G,), shift (G,), whether every group was finite, (4, G) rows);
 // step and shift are rows 1 and 2.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
-    const std::optional<at::Tensor>& row_mean, const std::optional<at::Tensor>& row_rstd) {
+    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
   RowNorm rn;
   if (row_mean.has_value() && row_mean->defined()) {
@@ -590,8 +638,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
   int64_t seed = 0;
   if (stochastic) {
     int64_t* n = draws.data_ptr<int64_t>();
+    uint64_t prefix = static_cast<uint64_t>(seed_prefix);
+    if (prefix_of_mix)
+      prefix = splitmix64(static_cast<uint64_t>(generator_fingerprint_cpu()) ^ prefix);
     seed = static_cast<int64_t>(
-        splitmix64(static_cast<uint64_t>(seed_prefix) ^ static_cast<uint64_t>(*n)) &
+        splitmix64(prefix ^ static_cast<uint64_t>(*n)) &
         ((uint64_t{1} << 62) - 1));
     if (update) *n += 1;
   }

@@ -118,9 +118,11 @@ class _Extension:
         # the one-call paths, bound directly (no Python wrapper: they run once per activation)
         #   quantize_step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
         #                 batch_mode, bits, update, seed_prefix, draws, stochastic,
-        #                 mark_nonfinite) -> (packed, step, shift, all finite, (4, G) rows):
-        #     range_update, then quantize with the seed ops.make_seed gives for draws[0]
-        #     (advanced when update), reading x in any layout (CPU)
+        #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None)
+        #     -> (packed, step, shift, all finite, (4, G) rows): range_update, then quantize
+        #     with the seed ops.make_seed gives for draws[0] (advanced when update), reading x
+        #     in any layout (CPU); seed_prefix is ops.seed_prefix, or with prefix_of_mix
+        #     ops.salt_mix (the kernel hashes torch's generator state itself)
         #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}", None)
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}", None)

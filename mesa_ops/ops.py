@@ -67,12 +67,19 @@ def make_seed(salt: int, count: int) -> int:
 _SALT_MIX: dict = {}  # salt -> splitmix64(base ^ splitmix64(salt)) under the current base
 
 
-def seed_prefix(salt: int) -> int:
-    """The part of :func:`make_seed` that does not depend on the draw count (64 bits)."""
+def salt_mix(salt: int) -> int:
+    """The part of :func:`seed_prefix` that depends on Mesa's base and the salt only (64 bits;
+    the CPU kernel hashes torch's generator state with it itself: ``prefix_of_mix``)."""
     mix = _SALT_MIX.get(salt)
     if mix is None:
         mix = _SALT_MIX[salt] = _splitmix64(int(_BASE[0]) ^ _splitmix64(salt))
-    return _splitmix64(torch_fingerprint() ^ mix)
+    return mix
+
+
+def seed_prefix(salt: int) -> int:
+    """The part of :func:`make_seed` that does not depend on the draw count (64 bits):
+    ``splitmix64(torch_fingerprint() ^ salt_mix(salt))``."""
+    return _splitmix64(torch_fingerprint() ^ salt_mix(salt))
 
 
 def signed64(v: int) -> int:

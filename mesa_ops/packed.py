@@ -256,7 +256,8 @@ def release(*tensors) -> None:
     if not compiling() and in_backward() and not torch.is_grad_enabled():
         ws = _workspace()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False):
+            if (isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False)
+                    and not getattr(t, "_mesa_boxed", False)):
                 ws.release(t)
 
 
@@ -318,11 +319,39 @@ def pack_mask(mask_source: torch.Tensor) -> QTensor:
                    transposed)
 
 
-def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True) -> None:
+class Share:
+    """One dequantized copy handed between two backwards that restore the same packed tensor: a
+    consumer (the Linear fed by a LayerNorm, the projection after SDPA) restores it first, the
+    producer (the LayerNorm, the SDPA) takes it instead of restoring it again, and releases it.
+    ``t`` is the restored tensor while it waits (a workspace buffer), else None."""
+    __slots__ = ("t",)
+
+    def __init__(self):
+        self.t = None
+
+
+def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer=None,
+                 item: int = 0) -> None:
     """Record on ``t`` that ``qt`` is a packed copy of it (rounded stochastically or not), so a
     later Mesa layer that needs the same tensor for backward (attn@v after softmax) saves these
-    bytes instead of a second copy."""
-    t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic))
+    bytes instead of a second copy. ``producer``: the autograd node (ctx) whose saved item
+    ``item`` restores to the same tensor as ``qt``; the two backwards then restore it once."""
+    share = None
+    if producer is not None and not compiling():
+        share = Share()
+        producer.mesa_share = (item, share, None)
+    t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic), share)
+
+
+def adopt_saved(ctx, t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
+                item: int = 0, grad_input: int = 0):
+    """:func:`find_saved`, and when the copy is one its producer's backward restores too, record
+    on ``ctx`` (which saves it as item ``item``) that its backward hands the restored tensor on,
+    when the gradient of its input ``grad_input`` flows back to that producer."""
+    qt = find_saved(t, quant, dtype, derived)
+    if qt is not None and t._mesa_saved[3] is not None:
+        ctx.mesa_share = (item, t._mesa_saved[3], grad_input)
+    return qt
 
 
 def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
@@ -337,7 +366,7 @@ def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
     rec = getattr(t, "_mesa_saved", None)
     if rec is None:
         return None
-    qt, version, stochastic = rec
+    qt, version, stochastic = rec[:3]
     if (version is not None and version != t._version) or qt.shape != t.shape:
         return None
     if isinstance(qt, (AffineQTensor, MappedQTensor)):
@@ -385,19 +414,42 @@ def saved_tensors(ctx, split_affine: bool = False) -> list:
     """The items given to :func:`save_for_backward`, packed copies restored. With
     ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
     bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
-    smaller tensor)."""
+    smaller tensor). An item shared with another backward (:class:`Share`) is restored once."""
     flat = ctx.saved_tensors
+    share = getattr(ctx, "mesa_share", None)
     out = []
-    for kind, i, n, meta in ctx.mesa_layout:
+    for j, (kind, i, n, meta) in enumerate(ctx.mesa_layout):
         if kind is None:
             out.append(None)
         elif kind is torch.Tensor:
             out.append(flat[i])
+        elif share is not None and j == share[0] and (
+                kind is QTensor or (split_affine and kind is AffineQTensor)):
+            x = _shared_restore(ctx, share, flat[i:i + 3], meta)  # read-only: never modified
+            out.append(x if kind is QTensor else (x, flat[i + 3], flat[i + 4]))
         elif split_affine and kind is AffineQTensor:
             out.append((QTensor.restore(flat[i:i + 3], meta), flat[i + 3], flat[i + 4]))
         else:
             out.append(kind.restore(flat[i:i + n], meta))
     return out
+
+
+def _shared_restore(ctx, share, tensors, meta) -> torch.Tensor:
+    """The restored x of a shared item (:class:`Share`): taken from the box when the other
+    backward left it there; else restored, and left there by a consumer whose input gradient
+    flows on to the producer (whose backward then runs and takes it)."""
+    _, box, grad_input = share
+    t = box.t
+    if t is not None:
+        if grad_input is None:  # the producer: the last user; its release() frees it
+            box.t = None
+            t._mesa_boxed = False
+        return t
+    t = QTensor.restore(tensors, meta)
+    if grad_input is not None and ctx.needs_input_grad[grad_input] and getattr(t, "_mesa_ws", False):
+        box.t = t
+        t._mesa_boxed = True
+    return t
 
 
 def saved_packed(ctx) -> list:

@@ -294,10 +294,11 @@ class QuantMixin:
             xs, transposed, g, inner = self._layout(x, copy=False)
             clip, shift, it = self._state()
             stochastic = bool(self.stochastic)
-            prefix = ops.signed64(ops.seed_prefix(self._salt())) if stochastic else 0
+            # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
+            mix = ops.signed64(ops.salt_mix(self._salt())) if stochastic else 0
             packed, step, sh, finite, _ = be.quantize_step(
                 xs, g, inner, clip, shift, it, d, 1.0 - d, range_mode == "batch", bits, update,
-                prefix, self._draws, stochastic, mode == "skip",
+                mix, self._draws, stochastic, mode == "skip", stochastic,
                 *(() if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))))
             if not finite:
                 name = self.describe()

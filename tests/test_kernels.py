@@ -189,6 +189,19 @@ def test_seed_follows_torch_generator_without_drawing_from_it():
     assert ops.make_seed(5, 0) != s1
 
 
+def test_cpp_generator_fingerprint_is_zlib_crc32_of_the_state(cpp_backend):
+    """The kernel's hash of torch's generator state == ops.torch_fingerprint (zlib.crc32 of the
+    get_state() bytes), before and after draws."""
+    import zlib
+
+    from mesa_ops import backend, ops
+
+    fp = backend._cpu_extension().generator_fingerprint_cpu
+    for _ in range(3):
+        assert fp() == ops.torch_fingerprint() == zlib.crc32(torch.get_rng_state().numpy().tobytes())
+        torch.randn(1000)
+
+
 def test_uniform_noise_is_uniform():
     u = reference.uniform_noise(123, 1 << 16)
     assert u.dtype == torch.float32 and u.min() >= 0 and u.max() < 1
@@ -352,6 +365,19 @@ def test_cpp_quantize_step_equals_range_update_then_quantize(cpp_backend, ref_ba
     cpp_backend.quantize_step(x, g, inner, *st1, 0.9, 0.1, False, 8, False, prefix, draws, True,
                               True)
     assert int(draws[0]) == 8 and all(torch.equal(a, b) for a, b in zip(st1, st2))
+    # prefix_of_mix: the kernel hashes torch's generator state with ops.salt_mix itself, as
+    # ops.seed_prefix does (also after torch's stream moved on), and draws nothing from it
+    for _ in range(2):
+        state = torch.get_rng_state()
+        outs = []
+        for key, of_mix in ((ops.signed64(ops.seed_prefix(salt)), False),
+                            (ops.signed64(ops.salt_mix(salt)), True)):
+            d = torch.tensor([5], dtype=torch.int64)
+            outs.append(cpp_backend.quantize_step(x, g, inner, torch.ones(g), torch.zeros(g),
+                                                  torch.zeros(1), 0.9, 0.1, False, 8, True, key,
+                                                  d, True, True, of_mix)[0])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(torch.get_rng_state(), state)
+        torch.rand(7)
     bad = x.contiguous().clone()
     bad[0, 0, 9] = float("nan")  # group 1
     _, _, sh, finite, rows = cpp_backend.quantize_step(
@@ -381,7 +407,7 @@ def test_cpp_quantize_step_normalizes_rows_as_the_reference(cpp_backend, ref_bac
                 st = [torch.ones(g), torch.zeros(g), torch.zeros(1)]
                 draws = torch.tensor([3], dtype=torch.int64)
                 r = cpp_backend.quantize_step(arg, g, inner, *st, 0.9, 0.1, False, bits, True, 99,
-                                              draws, True, False, *norm)
+                                              draws, True, False, False, *norm)
                 outs.append((r, st))
             (r1, st1), (r2, st2) = outs
             assert all(torch.equal(a, b) for a, b in zip(st1, st2)), (g, bits)
@@ -389,11 +415,11 @@ def test_cpp_quantize_step_normalizes_rows_as_the_reference(cpp_backend, ref_bac
     with pytest.raises(RuntimeError, match="whole number of groups"):
         cpp_backend.quantize_step(x, 3, 12, torch.ones(3), torch.zeros(3), torch.zeros(1), 0.9,
                                   0.1, False, 8, True, 1, torch.zeros(1, dtype=torch.int64), True,
-                                  False, torch.zeros(3 * 23 * 2), torch.ones(3 * 23 * 2))
+                                  False, False, torch.zeros(3 * 23 * 2), torch.ones(3 * 23 * 2))
     with pytest.raises(RuntimeError, match="one value per row"):
         cpp_backend.quantize_step(x, 1, 36, torch.ones(1), torch.zeros(1), torch.zeros(1), 0.9,
                                   0.1, False, 8, True, 1, torch.zeros(1, dtype=torch.int64), True,
-                                  False, torch.zeros(5), torch.ones(5))
+                                  False, False, torch.zeros(5), torch.ones(5))
 
 
 # ---- backend selection ----------------------------------------------------------------------

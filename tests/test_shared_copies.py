@@ -98,3 +98,64 @@ def test_linear_after_bf16_layernorm_far_from_zero():
     assert torch.equal(y1, y0) and float(mesa[1].iteration) == 0
     err = rel_err(g1["1.weight"], g0["1.weight"])
     assert err <= 0.03, err
+
+
+class _NormTwoLinears(nn.Module):
+    """One LayerNorm feeding two Linears (PVT's q and kv projections where sr_ratio = 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.q, self.kv = ms.LayerNorm(48, quant_groups=3), ms.Linear(48, 48), ms.Linear(48, 96)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.q(y).sum(-1) + self.kv(y).sum(-1)
+
+
+@pytest.mark.parametrize("case", ("deit-block", "norm-two-linears", "frozen-fc1"))
+def test_shared_copy_dequantized_once_for_both_backwards(case, monkeypatch):
+    """The x-hat a LayerNorm shares with the Linear(s) it feeds, and the output SDPA shares with
+    the projection, are dequantized once: the Linear's backward hands its restored tensor on to
+    the producer's. Gradients are bit for bit those of restoring it in each backward; the count
+    of dequantizations drops by one per shared copy (by none where the Linear restores nothing:
+    a frozen weight)."""
+    from models.deit import Block
+
+    from mesa_ops import backend, packed
+    import mesa_ops.functional.attention as fa
+    import mesa_ops.functional.norm as fn
+
+    be = backend._extension_backend("cpp")
+    calls = []
+    deq = be.dequantize_out
+    monkeypatch.setattr(be, "dequantize_out", lambda *a: calls.append(1) or deq(*a))
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+
+    def grads(share: bool):
+        attach = packed.attach_saved if share else (
+            lambda t, qt, stochastic=True, producer=None, item=0: packed.attach_saved(t, qt, stochastic))
+        monkeypatch.setattr(fn, "attach_saved", attach)
+        monkeypatch.setattr(fa, "attach_saved", attach)
+        torch.manual_seed(0)
+        if case == "norm-two-linears":
+            model, x = _NormTwoLinears(), torch.randn(2, 9, 48)
+        else:
+            model, x = Block(48, 3, qkv_bias=True), torch.randn(2, 9, 48)
+            if case == "frozen-fc1":
+                model.mlp.fc1.weight.requires_grad_(False)
+        enable_mesa(model, 8)
+        calls.clear()
+        torch.manual_seed(1)
+        _, _, g = run(model.train(), [x])
+        return g, len(calls)
+
+    g_share, n_share = grads(True)
+    g_each, n_each = grads(False)
+    assert g_share.keys() == g_each.keys()
+    for k in g_each:
+        if g_each[k] is not None:
+            assert torch.equal(g_share[k], g_each[k]), k
+    # shared copies: DeiT block x-hat of norm1 (qkv), SDPA output (proj), x-hat of norm2 (fc1);
+    # two Linears on one norm: q and kv read the one restore; frozen fc1 restores nothing
+    fewer = {"deit-block": 3, "norm-two-linears": 2, "frozen-fc1": 2}[case]
+    assert n_each - n_share == fewer, (n_each, n_share)

@@ -241,6 +241,6 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     node = y.grad_fn
     qo = getattr(node, "mesa_qo", None)
     if qo is not None:
-        attach_saved(y, qo, mod.quant_o.stochastic)
+        attach_saved(y, qo, mod.quant_o.stochastic, producer=node, item=3)  # (saved item 3: out)
         node.mesa_qo = None
     return y

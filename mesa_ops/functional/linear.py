@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import as_dtype, autocast_plan, no_autocast
-from ..packed import find_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import adopt_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
 class _Linear(torch.autograd.Function):
@@ -14,8 +14,9 @@ class _Linear(torch.autograd.Function):
         xc = as_dtype(x, cdt)
         y = F.linear(xc, as_dtype(weight, cdt), as_dtype(bias, cdt))
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
-        # input of a Mesa GELU (stored once) when it is what quant would store
-        qx = find_saved(x, quant, dtype=xc.dtype, derived=True)
+        # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
+        # the SDPA output this backward restores are then handed on to those layers' backwards
+        qx = adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True)
         if qx is None:
             qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx, weight)
