@@ -102,6 +102,7 @@ def _cuda_extension():
 
 class _Reference:
     name = "torch"
+    has_quantize_step = has_dequantize_out = False
     quantize = staticmethod(reference.quantize)
     dequantize = staticmethod(reference.dequantize)
     group_minmax = staticmethod(reference.group_minmax)

@@ -26,6 +26,10 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+# the id of the backward pass the autograd engine runs on this thread, -1 outside one
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 class QTensor(NamedTuple):
     """A packed activation: ``packed`` uint8 codes, per-group ``step`` and ``shift`` (fp32)."""
     packed: torch.Tensor
@@ -54,7 +58,7 @@ class QTensor(NamedTuple):
                                           dtype), shape, transposed)
         be = get_backend(packed)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
-        if not torch.is_grad_enabled() and getattr(be, "has_dequantize_out", False) and in_backward():
+        if not torch.is_grad_enabled() and be.has_dequantize_out and _graph_task_id() != -1:
             flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
                                      _workspace().acquire(shape.numel(), dtype))
             if not transposed:
@@ -227,7 +231,7 @@ class _Workspace:
                     best is None or buf.numel() < self.free[best].numel()):
                 best = i
         buf = self.free.pop(best) if best is not None else torch.empty(numel, dtype=dtype)
-        return buf[:numel]
+        return buf if buf.numel() == numel else buf[:numel]
 
     def release(self, t: torch.Tensor) -> None:
         base = t._base if t._base is not None else t
@@ -252,13 +256,11 @@ def _workspace() -> _Workspace:
 
 
 def release(*tensors) -> None:
-    """Give dequantized tensors back to the backward workspace (call after their last use)."""
-    if not compiling() and in_backward() and not torch.is_grad_enabled():
-        ws = _workspace()
-        for t in tensors:
-            if (isinstance(t, torch.Tensor) and getattr(t, "_mesa_ws", False)
-                    and not getattr(t, "_mesa_boxed", False)):
-                ws.release(t)
+    """Give dequantized tensors back to the backward workspace (call after their last use).
+    Only workspace buffers carry ``_mesa_ws`` (restored in a graph-free backward, this one)."""
+    for t in tensors:
+        if getattr(t, "_mesa_ws", False) and not getattr(t, "_mesa_boxed", False):
+            _workspace().release(t)
 
 
 def in_backward() -> bool:
@@ -266,8 +268,7 @@ def in_backward() -> bool:
     while torch.compile traces."""
     if compiling():
         return False
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task_id() != -1
 
 
 def _layer_name(ctx) -> str:
