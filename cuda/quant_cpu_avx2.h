@@ -54,6 +54,11 @@ inline void store_low_bytes16(__m256i a, __m256i b, uint8_t* out) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
 }
 
+// normalize_one of 8 values: (x - mean) * rstd.
+inline __m256 normalize8_avx2(__m256 x, __m256 vm, __m256 vr) {
+  return _mm256_mul_ps(_mm256_sub_ps(x, vm), vr);
+}
+
 inline __m256i quantize8_avx2(__m256 x, __m256 vsh, __m256 viv, __m256 u, __m256 vmax) {
   __m256 v = _mm256_mul_ps(_mm256_sub_ps(x, vsh), viv);
   v = _mm256_add_ps(v, u);
@@ -84,7 +89,7 @@ inline int64_t quantize_run_avx2(const T* xs, uint8_t* out, int64_t s, int64_t e
   const __m256 vm = _mm256_set1_ps(mean), vr = _mm256_set1_ps(rstd);
   auto load = [&](const T* p) {
     const __m256 v = Vec<T>::load8(p);
-    return NORM ? _mm256_mul_ps(_mm256_sub_ps(v, vm), vr) : v;
+    return NORM ? normalize8_avx2(v, vm, vr) : v;
   };
   __m256 u0 = _mm256_set1_ps(0.5f), u1 = u0;
   for (; e + 16 <= t; e += 16) {
@@ -115,7 +120,7 @@ inline void minmax_acc_avx2(const T* p, int64_t n, __m256* lo, __m256* hi, __m25
   __m256i b = *bad;
   for (int64_t i = 0; i < n; i += 8) {
     __m256 a = Vec<T>::load8(p + i);
-    if (NORM) a = _mm256_mul_ps(_mm256_sub_ps(a, vm), vr);
+    if (NORM) a = normalize8_avx2(a, vm, vr);
     l = _mm256_min_ps(a, l);  // v < lo ? v : lo
     h = _mm256_max_ps(a, h);  // v > hi ? v : hi
     b = _mm256_or_si256(b, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(a), expo), expo));

@@ -84,11 +84,11 @@ MESA_HD float fadd(float a, float b) {
 #endif
 }
 
-// One element to its b-bit code. maxq = 2^b - 1 as float. `noise` is u or 0.5.
 // A LayerNorm's normalized value (x - mean) * rstd, as the reference computes x-hat (a Mesa
 // LayerNorm stores x-hat; the CPU kernel normalizes each row while quantizing it).
 MESA_HD float normalize_one(float x, float mean, float rstd) { return fmul(fsub(x, mean), rstd); }
 
+// One element to its b-bit code. maxq = 2^b - 1 as float. `noise` is u or 0.5.
 MESA_HD uint32_t quantize_one(float x, float inv, float shift, float noise, float maxq) {
   float v = fadd(fmul(fsub(x, shift), inv), noise);
   v = v > 0.0f ? v : 0.0f;      // NaN -> 0 (NaN is rejected before quantizing by default)

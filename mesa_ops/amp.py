@@ -64,6 +64,11 @@ def autocast_plan(op: str, x: torch.Tensor):
     return compute_dtype(op, x), fp16_autocast(x)
 
 
+# float32 and wider: used as they are where narrower dtypes are widened to float32 first (a
+# LayerNorm's x-hat, the Linear's affine fold) or take another path (the bias-gradient sum)
+WIDE_DTYPES = (torch.float32, torch.float64)
+
+
 def as_dtype(t, dtype):
     """``t`` in ``dtype``: ``t`` itself when it already is (no dispatched ``to`` on the hot
     path); None stays None."""

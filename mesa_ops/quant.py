@@ -34,6 +34,7 @@ import math
 import torch
 
 from . import ops
+from .amp import WIDE_DTYPES
 from .backend import get_backend
 from .packed import CHANNELS_LAST, QTensor, _memory_view, compiling, in_backward
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
@@ -258,16 +259,16 @@ class QuantMixin:
             return xs, layout, g, x.shape[1] // g
         return (xs, layout) + self.groups_for(xs.shape)
 
-    def _fuses_norm(self, x: torch.Tensor, mean: torch.Tensor) -> bool:
+    def _fuses_norm(self, x: torch.Tensor, mean: torch.Tensor, inner: int) -> bool:
         """Whether the one-call kernel (the caller checks it is in use) can normalize ``x``
         rows while quantizing them: float32/16 or bfloat16 ``x`` read as it is (groups along
-        the last dim) and statistics whose rows hold whole groups."""
+        the last dim) and statistics whose rows hold whole groups of ``inner`` elements."""
         if x.dtype not in _NORM_DTYPES or self.group_dim != "last":
             return False
         rows = mean.numel()
         if mean.dtype != torch.float32 or rows == 0 or x.numel() % rows or not mean.is_contiguous():
             return False
-        return (x.numel() // rows) % self.groups_for(x.shape)[1] == 0
+        return (x.numel() // rows) % inner == 0
 
     def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         # runs once per stored activation: kept to few Python operations
@@ -286,12 +287,11 @@ class QuantMixin:
         # k, v of a fused qkv projection) in place
         fused = getattr(be, "has_quantize_step", False) and not (
             self.dist_sync and update and ops.dist_world() > 1)
-        if norm is not None and not (fused and self._fuses_norm(x, norm[0])):
-            x = torch.sub(x if x.dtype in _WIDE else x.float(), norm[0]).mul_(norm[1])
-            norm = None
-        shape, dtype = x.shape, (x.dtype if norm is None else torch.float32)
         if fused:
             xs, transposed, g, inner = self._layout(x, copy=False)
+            if norm is not None and not self._fuses_norm(xs, norm[0], inner):
+                x, norm = _normalized(x, norm), None  # x-hat first, by torch; then its layout
+                xs, transposed, g, inner = self._layout(x, copy=False)
             clip, shift, it = self._state()
             stochastic = bool(self.stochastic)
             # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
@@ -304,7 +304,10 @@ class QuantMixin:
                 name = self.describe()
                 if ops.must_report_nonfinite(mode, name):
                     ops._nonfinite(mode, name, tuple(xs.shape))
-            return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
+            return QTensor(packed, step, sh, x.shape, x.dtype if norm is None else torch.float32,
+                           bits, g, inner, transposed)
+        if norm is not None:
+            x = _normalized(x, norm)
         name = self.describe()
         xs, transposed, g, inner = self._layout(x.detach(), copy=True)
         clip, shift, it = self._state()
@@ -313,11 +316,16 @@ class QuantMixin:
         inv, step, sh = params[0], params[1], params[2]
         packed = ops.quantize(xs, inv, sh, self._draws, name, bits, g, inner,
                               bool(self.stochastic), update)
-        return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed)
+        return QTensor(packed, step, sh, x.shape, x.dtype, bits, g, inner, transposed)
 
 
-_WIDE = (torch.float32, torch.float64)
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _normalized(x: torch.Tensor, norm) -> torch.Tensor:
+    """x-hat = (x - mean) * rstd of ``norm`` = (mean, rstd), in float32 or wider (the
+    operations of the kernel's row normalization)."""
+    return torch.sub(x if x.dtype in WIDE_DTYPES else x.float(), norm[0]).mul_(norm[1])
 
 
 class Quantizer(QuantMixin, torch.nn.Module):

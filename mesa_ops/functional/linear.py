@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import as_dtype, autocast_plan, no_autocast
+from ..amp import WIDE_DTYPES, as_dtype, autocast_plan, no_autocast
 from ..packed import adopt_saved, once_differentiable, release, save_for_backward, saved_tensors
 
 
@@ -44,7 +44,7 @@ class _Linear(torch.autograd.Function):
                 # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
                 xh, a, c = xh
                 gw = _gw(g2, xh, cdt)
-                if gw.dtype not in (torch.float32, torch.float64):  # the fold in float32
+                if gw.dtype not in WIDE_DTYPES:  # the fold in float32
                     gw = gw.float()
                 if a is not None:
                     gw = gw.mul_(as_dtype(a, gw.dtype))
@@ -65,7 +65,7 @@ def _colsum(g2):
     which BLAS takes in one pass over rows (measured 75 -> 34 us for 12544 x 64, PVT's stage 1;
     118 -> 71 us in a loop); torch's sum where rows are few for the width (DeiT-Ti's 788 x 576:
     19 vs 29 us) and for other dtypes (float32 accumulation)."""
-    if (g2.dtype in (torch.float32, torch.float64) and g2.shape[0] >= 16 * g2.shape[1]
+    if (g2.dtype in WIDE_DTYPES and g2.shape[0] >= 16 * g2.shape[1]
             and g2.is_contiguous()):
         return g2.t().mv(g2.new_ones(g2.shape[0]))
     return g2.sum(0)

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..amp import WIDE_DTYPES as _WIDE, as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable,
                       release, save_for_backward, saved_tensors)
 
@@ -72,8 +72,6 @@ class _LayerNorm(torch.autograd.Function):
         return (gx, None, as_dtype(gw, ctx.p_dtypes[0]), as_dtype(gb, ctx.p_dtypes[1]), None, None, None,
                 None)
 
-
-_WIDE = (torch.float32, torch.float64)
 
 
 @functools.lru_cache(maxsize=32)
