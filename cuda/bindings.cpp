@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
         py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
-        "CRC-32 of torch's default CPU generator state (= zlib.crc32 of its get_state() bytes)");
+        "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");

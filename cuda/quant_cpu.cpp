@@ -17,6 +17,7 @@
 #include "quant_math.h"
 #include "quant_api.h"
 #include "quant_cpu_avx2.h"
+#include "quant_cpu_avx512.h"
 
 namespace mesa {
 namespace {
@@ -137,6 +138,10 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
     for (; e < head; ++e) one(e);
 #if defined(__AVX2__)
     if constexpr (Vec<scalar_t>::value) {
+#if defined(MESA_HAVE_AVX512)
+      e = norm ? quantize_run_avx512<true>(xs, out, s, e, t, iv, sh, k, m, r)
+               : quantize_run_avx512<false>(xs, out, s, e, t, iv, sh, k, m, r);
+#endif
       e = norm ? quantize_run_avx2<true>(xs, out, s, e, t, iv, sh, k, m, r)
                : quantize_run_avx2<false>(xs, out, s, e, t, iv, sh, k, m, r);
     }
@@ -291,6 +296,16 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
 #if defined(__AVX2__)
         if (vec) {
           if constexpr (Vec<scalar_t>::value) {
+#if defined(MESA_HAVE_AVX512)
+            if (inner % 16 == 0) {
+              if (norm)
+                minmax_acc_avx512<true>(p, inner, &vlo[g], &vhi[g], &vbd[g], m, r);
+              else
+                minmax_acc_avx512<false>(p, inner, &vlo[g], &vhi[g], &vbd[g], m, r);
+              g = (g + 1 == groups) ? 0 : g + 1;
+              continue;
+            }
+#endif
             const __m256 vm = _mm256_set1_ps(m), vr = _mm256_set1_ps(r);
             if (norm)
               minmax_acc_avx2<true>(p, inner, &vlo[g], &vhi[g], &vbd[g], vm, vr);
@@ -567,6 +582,8 @@ struct Crc32Tables {
   }
 };
 
+constexpr size_t kFingerprintBytes = 64;  // = mesa_ops.ops.FINGERPRINT_BYTES
+
 uint32_t crc32_bytes(const uint8_t* p, size_t n) {
   static const Crc32Tables tab;
   const auto& t = tab.t;
@@ -584,16 +601,31 @@ uint32_t crc32_bytes(const uint8_t* p, size_t n) {
 }
 }  // namespace
 
-// CRC-32 of torch's default CPU generator state (the bytes torch.default_generator.get_state()
-// returns), read without drawing from it: mesa_ops.ops.torch_fingerprint.
+// CRC-32 of the first kFingerprintBytes bytes of torch's default CPU generator state (of the
+// bytes torch.default_generator.get_state() returns: the initial seed, the position in the
+// Mersenne-Twister block (left, seeded, next) and state words 0-4, which every regeneration of
+// the block changes), read from the engine without drawing from it and without get_state's
+// copy of the whole state: mesa_ops.ops.torch_fingerprint.
 int64_t generator_fingerprint_cpu() {
   auto gen = at::detail::getDefaultCPUGenerator();
-  at::Tensor state;
+  at::mt19937_data_pod d;
   {
     std::lock_guard<std::mutex> lock(gen.mutex());
-    state = gen.get_state();
+    d = gen.get<at::CPUGeneratorImpl>()->engine().data();
   }
-  return crc32_bytes(state.data_ptr<uint8_t>(), static_cast<size_t>(state.numel()));
+  // get_state()'s legacy layout: uint64 seed, int32 left, int32 seeded, uint64 next, uint64 words
+  uint8_t b[kFingerprintBytes];
+  const uint64_t seed = d.seed_, next = d.next_;
+  const int32_t left = d.left_, seeded = d.seeded_ ? 1 : 0;
+  std::memcpy(b, &seed, 8);
+  std::memcpy(b + 8, &left, 4);
+  std::memcpy(b + 12, &seeded, 4);
+  std::memcpy(b + 16, &next, 8);
+  for (size_t i = 0; i < (kFingerprintBytes - 24) / 8; ++i) {
+    const uint64_t w = d.state_[i];
+    std::memcpy(b + 24 + 8 * i, &w, 8);
+  }
+  return crc32_bytes(b, kFingerprintBytes);
 }
 
 // One call for what a Mesa layer does to store an activation: range_update_cpu, then

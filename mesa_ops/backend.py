@@ -37,6 +37,38 @@ def cpu_has_avx2() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_has_avx512() -> bool:
+    """True where /proc/cpuinfo lists AVX-512 F, BW, VL and DQ (and AVX2/F16C): the CPU kernel
+    then also gets its 16-lane loops (cuda/quant_cpu_avx512.h), under its own extension name."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return cpu_has_avx2() and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+
+
+# the CPU kernel's builds: compiler flags of each SIMD level (each under its own extension name)
+SIMD_FLAGS = {"none": [], "avx2": ["-mavx2", "-mf16c"],
+              "avx512": ["-mavx2", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]}
+
+
+def cpu_simd() -> str:
+    """The SIMD level the CPU kernel is built for: the best this CPU has ('avx512' > 'avx2' >
+    'none'), or $MESA_CPU_SIMD where set (a lower level, to test or compare its loops)."""
+    best = "avx512" if cpu_has_avx512() else "avx2" if cpu_has_avx2() else "none"
+    asked = os.environ.get("MESA_CPU_SIMD", "").strip().lower()
+    if not asked:
+        return best
+    order = list(SIMD_FLAGS)
+    if asked not in order:
+        raise ValueError(f"MESA_CPU_SIMD={asked!r}: expected one of {', '.join(order)}")
+    if order.index(asked) > order.index(best):
+        raise ValueError(f"MESA_CPU_SIMD={asked!r}: this CPU supports up to {best!r}")
+    return asked
+
+
 class BackendUnavailable(RuntimeError):
     """The backend that was asked for cannot be built or used here."""
 
@@ -62,8 +94,9 @@ def build_extension(with_cuda: bool, verbose: bool = False, build_directory: str
     """Compile (or load from the torch extensions cache) Mesa's extension and return the module."""
     from torch.utils import cpp_extension
 
-    simd = ["-mavx2", "-mf16c"] if cpu_has_avx2() else []
-    name = ("mesa_ext_cuda" if with_cuda else "mesa_ext_cpu") + ("_avx2" if simd else "")
+    level = cpu_simd()
+    simd = SIMD_FLAGS[level]
+    name = ("mesa_ext_cuda" if with_cuda else "mesa_ext_cpu") + ("" if level == "none" else f"_{level}")
     kwargs = dict(
         name=name,
         sources=_sources(with_cuda),
@@ -162,8 +195,22 @@ def _extension_backend(kind: str):
     return _Extension(ext, "cpu") if ext is not None else _Reference()
 
 
+# os.environ's own mapping and its key for MESA_BACKEND: forced_backend reads it as
+# os.environ.get does (os.environ[k] = v and monkeypatch.setenv update it), without the three
+# Python-level calls of the Mapping interface (it runs once per packed tensor, with cold caches)
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey("MESA_BACKEND") if hasattr(os.environ, "encodekey") else None
+
+
 def forced_backend() -> str | None:
-    name = os.environ.get("MESA_BACKEND")
+    """$MESA_BACKEND, read at each call (None when unset or empty)."""
+    if type(_ENV_DATA) is dict and _ENV_KEY is not None:
+        raw = _ENV_DATA.get(_ENV_KEY)
+        if raw is None:
+            return None
+        name = os.environ.decodevalue(raw)
+    else:  # (a platform whose os.environ differs: its public interface)
+        name = os.environ.get("MESA_BACKEND")
     if not name:
         return None
     name = name.strip().lower()

@@ -21,9 +21,9 @@ from torch.autograd import function as _autograd_function
 from . import ops, reference
 from .backend import get_backend
 
-def compiling() -> bool:
-    """True while torch.compile (dynamo) traces."""
-    return torch.compiler.is_compiling()
+# compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
+# name, not a wrapper around it (it runs several times per layer, each call a Python frame)
+compiling = torch.compiler.is_compiling
 
 
 # the id of the backward pass the autograd engine runs on this thread, -1 outside one

@@ -191,15 +191,24 @@ def test_seed_follows_torch_generator_without_drawing_from_it():
 
 def test_cpp_generator_fingerprint_is_zlib_crc32_of_the_state(cpp_backend):
     """The kernel's hash of torch's generator state == ops.torch_fingerprint (zlib.crc32 of the
-    get_state() bytes), before and after draws."""
+    first 64 get_state() bytes, which the kernel reads from the engine), before and after draws
+    of every size: within one Mersenne-Twister block (the position changes) and across blocks
+    (the state words change); a new seed changes it too."""
     import zlib
 
     from mesa_ops import backend, ops
 
     fp = backend._cpu_extension().generator_fingerprint_cpu
-    for _ in range(3):
-        assert fp() == ops.torch_fingerprint() == zlib.crc32(torch.get_rng_state().numpy().tobytes())
-        torch.randn(1000)
+    torch.manual_seed(3)
+    seen = set()
+    for draw in (0, 1, 1, 7, 700, 1000, 5000, 1):
+        torch.rand(draw) if draw % 2 else torch.randn(draw)
+        head = torch.get_rng_state()[:ops.FINGERPRINT_BYTES].numpy().tobytes()
+        assert fp() == ops.torch_fingerprint() == zlib.crc32(head)
+        seen.add(fp())
+    assert len(seen) == 8  # eight states: the seeded one, then one after each draw
+    torch.manual_seed(4)
+    assert fp() not in seen
 
 
 def test_uniform_noise_is_uniform():
