@@ -56,7 +56,7 @@ class _Run:
             self.x = None
         else:
             x = QTensor.restore((packed, step, shift), self.meta)
-            x._mesa_ws = False  # the recomputed graph holds it: never handed back to the workspace
+            x._mesa_ws = None  # the recomputed graph holds it: never handed back to the workspace
             x.requires_grad_(self.requires_grad)
         return self.block(x, *rest, **self.kwargs)
 

@@ -59,11 +59,11 @@ class QTensor(NamedTuple):
         be = get_backend(packed)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
         if not torch.is_grad_enabled() and be.has_dequantize_out and _graph_task_id() != -1:
-            flat = be.dequantize_out(packed, step, shift, bits, groups, inner,
-                                     _workspace().acquire(shape.numel(), dtype))
+            flat, buf = _workspace().acquire(shape.numel(), dtype)
+            be.dequantize_out(packed, step, shift, bits, groups, inner, flat)
             if not transposed:
                 out = flat.view(shape)
-                out._mesa_ws = True
+                out._mesa_ws = buf
                 return out
         else:
             flat = ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(), dtype)
@@ -168,12 +168,12 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     if kernel is None:
         return reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape)
     ws = mul is None and not torch.is_grad_enabled() and in_backward()
-    out = (_workspace().acquire(numel, table.dtype) if ws
-           else torch.empty(numel, dtype=table.dtype, device=packed.device))
-    out = kernel(packed, table, bits, groups, inner, out,
-                 None if mul is None else mul.contiguous()).view(shape)
+    out, buf = (_workspace().acquire(numel, table.dtype) if ws
+                else (torch.empty(numel, dtype=table.dtype, device=packed.device), None))
+    kernel(packed, table, bits, groups, inner, out, None if mul is None else mul.contiguous())
+    out = out.view(shape)
     if ws:
-        out._mesa_ws = True
+        out._mesa_ws = buf
     return out
 
 
@@ -215,33 +215,49 @@ class _Workspace:
     dequantization dominate Mesa's CPU overhead. During a backward, Mesa's Functions take their
     dequantized tensors from here and hand them back (:func:`release`) once their gradients are
     computed; the buffers are dropped when the backward ends, so nothing is held during forward.
-    """
+    ``free`` maps (numel, dtype) to the free 1-D buffers of that size (a model restores a few
+    sizes over and over: one dict lookup finds one); a request no free buffer matches exactly
+    takes the smallest larger one (a slice of it) or a new buffer."""
+
+    MAX_FREE = 8  # buffers kept for reuse at most
 
     def __init__(self):
-        self.free: list[torch.Tensor] = []
+        self.free: dict = {}
+        self.count = 0
         self.armed = False
 
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def acquire(self, numel: int, dtype: torch.dtype):
+        """(an uninitialised 1-D tensor of ``numel`` elements, the buffer it lies in): a view of
+        the tensor handed out carries the buffer as ``_mesa_ws`` (never the buffer itself: that
+        would be a reference cycle)."""
         if not self.armed:
             torch.autograd.Variable._execution_engine.queue_callback(self.clear)
             self.armed = True
+        bucket = self.free.get((numel, dtype))
+        if bucket:
+            self.count -= 1
+            buf = bucket.pop()
+            return buf, buf
         best = None
-        for i, buf in enumerate(self.free):
-            if buf.dtype == dtype and buf.numel() >= numel and (
-                    best is None or buf.numel() < self.free[best].numel()):
-                best = i
-        buf = self.free.pop(best) if best is not None else torch.empty(numel, dtype=dtype)
-        return buf if buf.numel() == numel else buf[:numel]
+        for (n, dt), bufs in self.free.items():
+            if bufs and dt == dtype and n > numel and (best is None or n < best[0]):
+                best = (n, dt)
+        if best is None:
+            buf = torch.empty(numel, dtype=dtype)
+            return buf, buf
+        self.count -= 1
+        buf = self.free[best].pop()
+        return buf[:numel], buf
 
-    def release(self, t: torch.Tensor) -> None:
-        base = t._base if t._base is not None else t
-        while base._base is not None:
-            base = base._base
-        if base.device.type == "cpu" and base.dim() == 1 and len(self.free) < 8:
-            self.free.append(base)
+    def release(self, buf: torch.Tensor) -> None:
+        """Take back a buffer (the ``_mesa_ws`` of a tensor :meth:`acquire` gave out)."""
+        if self.count < self.MAX_FREE:
+            self.free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self.count += 1
 
     def clear(self) -> None:
         self.free.clear()
+        self.count = 0
         self.armed = False
 
 
@@ -257,10 +273,13 @@ def _workspace() -> _Workspace:
 
 def release(*tensors) -> None:
     """Give dequantized tensors back to the backward workspace (call after their last use).
-    Only workspace buffers carry ``_mesa_ws`` (restored in a graph-free backward, this one)."""
+    Only tensors from the workspace carry ``_mesa_ws`` (their buffer: restored in a graph-free
+    backward, this one); one waiting in a :class:`Share` box is kept."""
     for t in tensors:
-        if getattr(t, "_mesa_ws", False) and not getattr(t, "_mesa_boxed", False):
-            _workspace().release(t)
+        buf = getattr(t, "_mesa_ws", None)
+        if buf is not None and not getattr(t, "_mesa_boxed", False):
+            t._mesa_ws = None  # (released once)
+            _workspace().release(buf)
 
 
 def in_backward() -> bool:
@@ -447,7 +466,7 @@ def _shared_restore(ctx, share, tensors, meta) -> torch.Tensor:
             t._mesa_boxed = False
         return t
     t = QTensor.restore(tensors, meta)
-    if grad_input is not None and ctx.needs_input_grad[grad_input] and getattr(t, "_mesa_ws", False):
+    if grad_input is not None and ctx.needs_input_grad[grad_input] and getattr(t, "_mesa_ws", None) is not None:
         box.t = t
         t._mesa_boxed = True
     return t

@@ -38,7 +38,7 @@ def test_workspace_is_empty_after_backward():
     m = ms.Linear(16, 16, enable=True)
     m(torch.randn(4, 16, requires_grad=True)).sum().backward()
     ws = packed._workspace()
-    assert ws.free == [] and not ws.armed
+    assert ws.free == {} and ws.count == 0 and not ws.armed
 
 
 def test_matmul_stores_exactly_the_input_whose_quantizer_is_off():

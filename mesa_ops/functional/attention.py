@@ -178,7 +178,7 @@ class _SDPA(torch.autograd.Function):
             if gbias is not None:  # (H, N, M) with a window mask, else (B, H, N, M)
                 gbias = gbias.unsqueeze(0) if gbias.dim() < bias.dim() else gbias
                 gbias = gbias.sum_to_size(bias.shape)
-        release(qh, kh, vh, oh)
+        release(*items[:4])  # (the token-layout tensors restored: the head views carry no buffer)
         dq, dk, dv, db = ctx.dtypes
         return (as_dtype(gq, dq), as_dtype(gk, dk), as_dtype(gv, dv), as_dtype(gbias, db),
                 None, None, None, None, None, None, None)
