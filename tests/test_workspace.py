@@ -57,3 +57,37 @@ def test_matmul_stores_exactly_the_input_whose_quantizer_is_off():
     assert torch.allclose(a.grad, g.matmul(b.detach().transpose(-2, -1)), rtol=0, atol=1e-6)
     exact_gb = a.detach().transpose(-2, -1).matmul(g)
     assert 0 < (b.grad - exact_gb).norm() / exact_gb.norm() < 2e-2
+
+
+def test_every_workspace_buffer_is_handed_back(monkeypatch):
+    """In a backward through Mesa blocks (LayerNorm, Linear, SDPA, GELU) every buffer taken
+    from the workspace is released after its last use (SDPA's restored q, k, v and output
+    included), so later restores reuse them instead of allocating."""
+    from mesa_ops import packed
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    taken, given = [], []
+    acquire, release = packed._Workspace.acquire, packed._Workspace.release
+
+    def counting_acquire(self, numel, dtype):
+        out = acquire(self, numel, dtype)
+        taken.append(out[1])
+        return out
+
+    def counting_release(self, buf):
+        given.append(buf)
+        release(self, buf)
+
+    monkeypatch.setattr(packed._Workspace, "acquire", counting_acquire)
+    monkeypatch.setattr(packed._Workspace, "release", counting_release)
+    from models.deit import Block as DeiTBlock  # attention on ms.SDPA
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(DeiTBlock(48, 3, qkv_bias=True), DeiTBlock(48, 3, qkv_bias=True))
+    ms.policy.set_mesa(model, True, 8)
+    assert any(isinstance(m, ms.SDPA) for m in model.modules())
+    model(torch.randn(2, 9, 48, requires_grad=True)).square().sum().backward()
+    assert len(taken) >= 14  # per block: 2 x-hats, q, k, v, out, the GELU output
+    assert sorted(map(id, given)) == sorted(map(id, taken))
+    fresh = {id(b) for b in taken}
+    assert len(fresh) < len(taken)  # buffers were reused
