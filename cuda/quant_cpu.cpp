@@ -116,6 +116,9 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
 #if defined(__AVX2__)
   const QuantConsts k(maxq, seed, stochastic);
 #endif
+#if defined(MESA_HAVE_AVX512)
+  const QuantConsts512 k16(maxq, seed);
+#endif
   auto cur = x.cursor(begin);
   for_group_runs(begin, end, inner, groups, [&](int64_t s, int64_t t, int64_t g) {
     const scalar_t* __restrict__ xs = cur.take(t - s);
@@ -139,8 +142,8 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
 #if defined(__AVX2__)
     if constexpr (Vec<scalar_t>::value) {
 #if defined(MESA_HAVE_AVX512)
-      e = norm ? quantize_run_avx512<true>(xs, out, s, e, t, iv, sh, k, m, r)
-               : quantize_run_avx512<false>(xs, out, s, e, t, iv, sh, k, m, r);
+      e = norm ? quantize_run_avx512<true>(xs, out, s, e, t, iv, sh, k, k16, m, r)
+               : quantize_run_avx512<false>(xs, out, s, e, t, iv, sh, k, k16, m, r);
 #endif
       e = norm ? quantize_run_avx2<true>(xs, out, s, e, t, iv, sh, k, m, r)
                : quantize_run_avx2<false>(xs, out, s, e, t, iv, sh, k, m, r);
@@ -568,35 +571,24 @@ uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
-// CRC-32 (zlib's: reflected polynomial 0xEDB88320), slicing by 8 bytes; = Python's zlib.crc32.
-struct Crc32Tables {
-  uint32_t t[8][256];
-  Crc32Tables() {
+// CRC-32 (zlib's: reflected polynomial 0xEDB88320), a byte at a time; = Python's zlib.crc32.
+struct Crc32Table {
+  uint32_t t[256];
+  Crc32Table() {
     for (uint32_t i = 0; i < 256; ++i) {
       uint32_t c = i;
       for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
-      t[0][i] = c;
+      t[i] = c;
     }
-    for (uint32_t i = 0; i < 256; ++i)
-      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
   }
 };
 
 constexpr size_t kFingerprintBytes = 64;  // = mesa_ops.ops.FINGERPRINT_BYTES
 
 uint32_t crc32_bytes(const uint8_t* p, size_t n) {
-  static const Crc32Tables tab;
-  const auto& t = tab.t;
+  static const Crc32Table tab;
   uint32_t c = 0xFFFFFFFFu;
-  for (; n >= 8; n -= 8, p += 8) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p, 4);
-    std::memcpy(&hi, p + 4, 4);
-    lo ^= c;
-    c = t[7][lo & 0xFF] ^ t[6][(lo >> 8) & 0xFF] ^ t[5][(lo >> 16) & 0xFF] ^ t[4][lo >> 24] ^
-        t[3][hi & 0xFF] ^ t[2][(hi >> 8) & 0xFF] ^ t[1][(hi >> 16) & 0xFF] ^ t[0][hi >> 24];
-  }
-  for (; n > 0; --n, ++p) c = t[0][(c ^ *p) & 0xFF] ^ (c >> 8);
+  for (; n > 0; --n, ++p) c = tab.t[(c ^ *p) & 0xFF] ^ (c >> 8);
   return c ^ 0xFFFFFFFFu;
 }
 }  // namespace

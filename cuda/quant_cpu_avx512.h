@@ -58,25 +58,33 @@ inline __m128i quantize16_avx512(__m512 x, __m512 vsh, __m512 viv, __m512 u, __m
   return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(v));
 }
 
+// The loop-invariant vectors of quantize_run_avx512 (built once per tile, as QuantConsts).
+struct QuantConsts512 {
+  __m512 vmax, scale;
+  __m512i iota, sel_a, sel_b, lo16, k0;
+  QuantConsts512(float maxq, uint64_t seed)
+      : vmax(_mm512_set1_ps(maxq)), scale(_mm512_set1_ps(kNoiseScale)),
+        iota(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        // block A's noise: the low halves of hashes 0-7, then their high halves; block B: 8-15
+        sel_a(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)),
+        sel_b(_mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31)),
+        lo16(_mm512_set1_epi32(0xffff)),
+        k0(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(seed)))) {}
+};
+
 // Codes of elements [e, t) of one group, 32 at a time (two 16-element noise blocks from one
 // 16-lane hash of pairs p .. p + 15), from e (a multiple of 16); returns where it stopped (the
-// AVX2 loop takes a 16-element rest). Same arguments as quantize_run_avx2.
+// AVX2 loop takes a 16-element rest). Same arguments as quantize_run_avx2, plus the 16-lane
+// constants k16.
 template <bool NORM, typename T>
 inline int64_t quantize_run_avx512(const T* xs, uint8_t* out, int64_t s, int64_t e, int64_t t,
-                                   float iv, float sh, const QuantConsts& k, float mean, float rstd) {
+                                   float iv, float sh, const QuantConsts& k,
+                                   const QuantConsts512& k16, float mean, float rstd) {
   if constexpr (!Vec16<T>::value) {
     return e;
   } else {
     const __m512 viv = _mm512_set1_ps(iv), vsh = _mm512_set1_ps(sh);
     const __m512 vm = _mm512_set1_ps(mean), vr = _mm512_set1_ps(rstd);
-    const __m512 vmax = _mm512_set1_ps(_mm256_cvtss_f32(k.vmax));
-    const __m512 scale = _mm512_set1_ps(kNoiseScale);
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    // block A's noise: the low halves of hashes 0-7, then their high halves; block B: 8-15
-    const __m512i sel_a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    const __m512i sel_b = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const __m512i lo16 = _mm512_set1_epi32(0xffff);
-    const __m512i k0 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(k.seed)));
     auto load = [&](const T* p) {
       const __m512 v = Vec16<T>::load16(p);
       return NORM ? normalize16_avx512(v, vm, vr) : v;
@@ -85,20 +93,20 @@ inline int64_t quantize_run_avx512(const T* xs, uint8_t* out, int64_t s, int64_t
     for (; e + 32 <= t; e += 32) {
       if (k.stochastic) {
         const uint64_t p = static_cast<uint64_t>(e) >> 1;  // pair of element e (e % 16 == 0)
-        const __m512i pl = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p))), iota);
+        const __m512i pl = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p))), k16.iota);
         const __m512i hk = _mm512_set1_epi32(static_cast<int>(
             (static_cast<uint32_t>(p >> 32) ^ static_cast<uint32_t>(k.seed >> 32)) * kGolden));
-        const __m512i h = hash32_avx512(_mm512_add_epi32(_mm512_xor_si512(pl, k0), hk));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(h, lo16));
+        const __m512i h = hash32_avx512(_mm512_add_epi32(_mm512_xor_si512(pl, k16.k0), hk));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(h, k16.lo16));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(h, 16));
-        ua = _mm512_mul_ps(_mm512_permutex2var_ps(lo, sel_a, hi), scale);
-        ub = _mm512_mul_ps(_mm512_permutex2var_ps(lo, sel_b, hi), scale);
+        ua = _mm512_mul_ps(_mm512_permutex2var_ps(lo, k16.sel_a, hi), k16.scale);
+        ub = _mm512_mul_ps(_mm512_permutex2var_ps(lo, k16.sel_b, hi), k16.scale);
       }
       const T* xp = xs + (e - s);
       uint8_t* op = out + (e - s);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(op), quantize16_avx512(load(xp), vsh, viv, ua, vmax));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(op), quantize16_avx512(load(xp), vsh, viv, ua, k16.vmax));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(op + 16),
-                       quantize16_avx512(load(xp + 16), vsh, viv, ub, vmax));
+                       quantize16_avx512(load(xp + 16), vsh, viv, ub, k16.vmax));
     }
     return e;
   }

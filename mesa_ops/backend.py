@@ -25,28 +25,26 @@ _CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 @functools.lru_cache(maxsize=None)
+def _cpu_flags() -> frozenset:
+    """The feature flags /proc/cpuinfo lists for the first CPU (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return frozenset(next((line.split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
 def cpu_has_avx2() -> bool:
     """True where /proc/cpuinfo lists avx2 and f16c: the CPU kernel is then built with -mavx2
     -mf16c (under its own extension name, so machines sharing a cache never load a build their
     CPU lacks)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and " avx2" in line and " f16c" in line
-                       for line in f)
-    except OSError:
-        return False
+    return {"avx2", "f16c"} <= _cpu_flags()
 
 
-@functools.lru_cache(maxsize=None)
 def cpu_has_avx512() -> bool:
     """True where /proc/cpuinfo lists AVX-512 F, BW, VL and DQ (and AVX2/F16C): the CPU kernel
     then also gets its 16-lane loops (cuda/quant_cpu_avx512.h), under its own extension name."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return cpu_has_avx2() and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    return cpu_has_avx2() and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags()
 
 
 # the CPU kernel's builds: compiler flags of each SIMD level (each under its own extension name)

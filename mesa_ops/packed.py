@@ -466,7 +466,8 @@ def _shared_restore(ctx, share, tensors, meta) -> torch.Tensor:
             t._mesa_boxed = False
         return t
     t = QTensor.restore(tensors, meta)
-    if grad_input is not None and ctx.needs_input_grad[grad_input] and getattr(t, "_mesa_ws", None) is not None:
+    if (grad_input is not None and ctx.needs_input_grad[grad_input]
+            and getattr(t, "_mesa_ws", None) is not None):
         box.t = t
         t._mesa_boxed = True
     return t

@@ -73,7 +73,6 @@ class _LayerNorm(torch.autograd.Function):
                 None)
 
 
-
 @functools.lru_cache(maxsize=32)
 def _unit_stats(shape, dtype, device):
     """Mean 0 and rstd 1 of the given statistics shape (read-only inputs of the backward op)."""
