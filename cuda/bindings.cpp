@@ -2,6 +2,9 @@
 #include <torch/extension.h>
 
 #include "quant_api.h"
+#if defined(MESA_CUDA_EMULATION)
+#include "cuda_emulation.h"
+#endif
 
 namespace {
 at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code); }
@@ -30,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "range_update_cpu + quantize_cpu in one call, seeded from a draw counter: (packed, step, shift, all finite, (4, G) rows); "
         "with row_mean/row_rstd (one per row of x) it stores (x - mean) * rstd",
         py::arg("x"), py::arg("groups"), py::arg("inner"), py::arg("clip_val"), py::arg("shift"),
-        py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("batch_mode"),
+        py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("range_mode"),
         py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
         py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
@@ -38,13 +41,50 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA
   m.attr("with_cuda") = true;
-  m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a contiguous CUDA tensor to packed codes");
+#ifdef MESA_CUDA_EMULATION
+  m.attr("emulated") = true;  // the CUDA ops below run their kernels on CPU tensors
+  m.def("set_index64", [](bool on) { mesa_emu::state().force_index64 = on; },
+        "emulation only: run the kernels' 64-bit-index variants whatever the sizes");
+#else
+  m.attr("emulated") = false;
+#endif
+  m.def("quantize_cuda", &mesa::quantize_cuda, "quantize a CUDA tensor (contiguous or row-strided) to packed codes");
   m.def("dequantize_cuda", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
                               int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
     return mesa::dequantize_cuda(p, st, sh, bits, groups, inner, numel,
                                  torch::python::detail::py_object_to_dtype(dtype));
   });
+  m.def("dequantize_out_cuda", &mesa::dequantize_out_cuda, "dequantize into a contiguous CUDA tensor");
+  m.def("lut_apply_out_cuda", &mesa::lut_apply_out_cuda,
+        "out = table[group][code] (* mul) on CUDA", py::arg("packed"), py::arg("table"),
+        py::arg("bits"), py::arg("groups"), py::arg("inner"), py::arg("out"), py::arg("mul") = py::none());
+  m.def("levels_cuda", [](const at::Tensor& st, const at::Tensor& sh, int64_t bits, py::object dtype) {
+    return mesa::levels_cuda(st, sh, bits, torch::python::detail::py_object_to_dtype(dtype));
+  }, "(G, 2^bits) values each group's codes dequantize to");
   m.def("group_minmax_cuda", &mesa::group_minmax_cuda, "per-group (min, max) as a (2, G) float tensor");
+  m.def("range_update_cuda", &mesa::range_update_cuda,
+        "running-range update in place on the GPU; returns (4, G): inv, step, shift, finite");
+  m.def("quantize_step_cuda",
+        [](const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+           at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode,
+           int64_t bits, bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic,
+           bool mark_nonfinite, bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+           const std::optional<at::Tensor>& row_rstd) {
+          auto r = mesa::quantize_step_cuda(x, groups, inner, clip_val, shift, iteration, decay,
+                                            one_minus_decay, range_mode, bits, update, seed_prefix,
+                                            draws, stochastic, mark_nonfinite, prefix_of_mix,
+                                            row_mean, row_rstd);
+          // None where the CPU op returns its host flag: on the GPU it stays on the device
+          return py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r), py::none(), std::get<3>(r));
+        },
+        "quantize_step_cpu's twin on CUDA: (packed, step, shift, None, (4, G) rows)",
+        py::arg("x"), py::arg("groups"), py::arg("inner"), py::arg("clip_val"), py::arg("shift"),
+        py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("range_mode"),
+        py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
+        py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
+        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
+  m.def("generator_fingerprint_cuda", &mesa::generator_fingerprint_cuda,
+        "CRC-32 of the 16-byte state of torch's default CUDA generator of a device");
 #else
   m.attr("with_cuda") = false;
 #endif

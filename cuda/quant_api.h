@@ -2,6 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
 namespace mesa {
 
 inline void check_group_args(const char* op, int64_t numel, int64_t groups, int64_t inner) {
@@ -57,6 +61,129 @@ inline void check_dequantize_args(const at::Tensor& packed, const at::Tensor& st
   check_params("dequantize", step, shift, groups, packed.device());
 }
 
+// The running-range state of one quantizer: clip_val/shift float32 (G,), iteration float32 (1,),
+// all on `dev`; range_mode one of kRangeEma/kRangeBatch/kRangeUnion (quant_math.h).
+inline void check_range_args(const char* op, const at::Tensor& clip_val, const at::Tensor& shift,
+                             const at::Tensor& iteration, int64_t groups, int64_t range_mode,
+                             const at::Device& dev) {
+  for (const at::Tensor* t : {&clip_val, &shift}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
+                    t->device() == dev,
+                "mesa ", op, ": clip_val/shift must be contiguous float32 tensors of ", groups,
+                " elements on ", dev);
+  }
+  TORCH_CHECK(iteration.scalar_type() == at::kFloat && iteration.numel() == 1 &&
+                  iteration.device() == dev,
+              "mesa ", op, ": iteration must be a float32 tensor of 1 element on ", dev);
+  TORCH_CHECK(range_mode >= 0 && range_mode <= 2, "mesa ", op,
+              ": range_mode must be 0 (ema), 1 (batch) or 2 (union), got ", range_mode);
+}
+
+// (row_len, row_stride) of x when its elements can be read in logical (row-major) order as
+// p + (e / row_len) * row_stride + e % row_len and every group segment of `inner` elements lies
+// inside one row: a contiguous x is one row; a tensor whose last dim is contiguous and whose
+// leading dims collapse to one stride (q, k, v sliced out of a fused qkv projection) is read in
+// place, without a copy. False otherwise (the caller then makes x contiguous).
+inline bool row_layout(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
+  const int64_t n = x.numel();
+  if (x.is_contiguous()) {
+    *row_len = *row_stride = std::max<int64_t>(n, 1);
+    return true;
+  }
+  const int64_t nd = x.dim();
+  if (nd < 2 || x.stride(nd - 1) != 1) return false;
+  const int64_t len = x.size(nd - 1);
+  int64_t stride = -1, expect = -1;  // walk the leading dims from the innermost outwards
+  for (int64_t d = nd - 2; d >= 0; --d) {
+    if (x.size(d) == 1) continue;
+    if (stride < 0) {
+      stride = x.stride(d);
+      expect = stride * x.size(d);
+    } else {
+      if (x.stride(d) != expect) return false;
+      expect *= x.size(d);
+    }
+  }
+  if (stride < 0) stride = len;  // a single row
+  if (stride < len || len % inner != 0) return false;
+  *row_len = len;
+  *row_stride = stride;
+  return true;
+}
+
+// x itself when row_layout can read it for groups of `inner` elements, else a contiguous copy.
+inline at::Tensor readable(const at::Tensor& x, int64_t inner, int64_t* row_len,
+                           int64_t* row_stride) {
+  if (row_layout(x, inner, row_len, row_stride)) return x;
+  at::Tensor c = x.contiguous();
+  *row_len = *row_stride = std::max<int64_t>(c.numel(), 1);
+  return c;
+}
+
+// The row length of a LayerNorm's statistics for quantize_step (row_mean/row_rstd: contiguous
+// float32 on x's device, one value per row of x, each row a whole number of groups of `inner`);
+// 0 when none are given.
+inline int64_t row_norm_len(const char* op, const at::Tensor& x, int64_t inner,
+                            const std::optional<at::Tensor>& row_mean,
+                            const std::optional<at::Tensor>& row_rstd) {
+  if (!(row_mean.has_value() && row_mean->defined())) return 0;
+  TORCH_CHECK(row_rstd.has_value() && row_rstd->defined(), "mesa ", op,
+              ": row_mean given without row_rstd");
+  const int64_t rows = row_mean->numel();
+  for (const at::Tensor* t : {&*row_mean, &*row_rstd})
+    TORCH_CHECK(t->device() == x.device() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == rows && rows > 0 && x.numel() % rows == 0,
+                "mesa ", op, ": row_mean/row_rstd must be contiguous float32 tensors on ",
+                x.device(), " of one value per row of x");
+  TORCH_CHECK(x.scalar_type() != at::kDouble, "mesa ", op,
+              ": row normalization takes float32/16 or bfloat16 x");
+  const int64_t len = x.numel() / rows;
+  TORCH_CHECK(len % inner == 0, "mesa ", op, ": a row of ", len,
+              " elements is not a whole number of groups of ", inner);
+  return len;
+}
+
+// ---- the stochastic-rounding seed (= mesa_ops.ops.make_seed), host side ----------------------
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// CRC-32 (zlib's: reflected polynomial 0xEDB88320), a byte at a time; = Python's zlib.crc32.
+inline uint32_t crc32_bytes(const uint8_t* p, size_t n) {
+  struct Table {
+    uint32_t t[256];
+    Table() {
+      for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
+        t[i] = c;
+      }
+    }
+  };
+  static const Table tab;
+  uint32_t c = 0xFFFFFFFFu;
+  for (; n > 0; --n, ++p) c = tab.t[(c ^ *p) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+// The seed of one stochastic rounding from the (1,) int64 CPU draw counter `draws` (advanced by
+// one when `advance`): splitmix64(prefix ^ draws[0]), 62 bits; prefix is ops.seed_prefix, or with
+// prefix_of_mix the salt mix that the generator's fingerprint is hashed with here.
+inline int64_t draw_seed(const at::Tensor& draws, uint64_t prefix, bool prefix_of_mix,
+                         int64_t fingerprint, bool advance) {
+  TORCH_CHECK(draws.device().is_cpu() && draws.scalar_type() == at::kLong && draws.numel() == 1,
+              "mesa quantize_step: draws must be a (1,) int64 CPU tensor");
+  int64_t* n = draws.data_ptr<int64_t>();
+  if (prefix_of_mix) prefix = splitmix64(static_cast<uint64_t>(fingerprint) ^ prefix);
+  const int64_t seed = static_cast<int64_t>(splitmix64(prefix ^ static_cast<uint64_t>(*n)) &
+                                            ((uint64_t{1} << 62) - 1));
+  if (advance) *n += 1;
+  return seed;
+}
+
 at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
                         int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic);
 at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
@@ -73,23 +200,46 @@ at::Tensor levels_cpu(const at::Tensor& step, const at::Tensor& shift, int64_t b
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,
-                            double one_minus_decay, bool batch_mode, int64_t bits,
+                            double one_minus_decay, int64_t range_mode, int64_t bits,
                             bool update);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
-    at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
     const std::optional<at::Tensor>& row_rstd);
 int64_t generator_fingerprint_cpu();
 
 #ifdef MESA_WITH_CUDA
+// The CUDA kernels (quant_cuda.cu): the CPU ops' twins, same arguments and results, for tensors
+// on one CUDA device (under MESA_CUDA_EMULATION: CPU tensors, the kernels run by the emulator of
+// cuda_emulation.h). No host synchronisation: quantize_step_cuda returns no host flag (the finite
+// row of its (4, G) result stays on the device).
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
                          int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic);
 at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
                            int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                            at::ScalarType dtype);
+at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
+                               const at::Tensor& shift, int64_t bits, int64_t groups,
+                               int64_t inner, at::Tensor out);
+at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
+                              int64_t groups, int64_t inner, at::Tensor out,
+                              const std::optional<at::Tensor>& mul);
+at::Tensor levels_cuda(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
+                       at::ScalarType dtype);
 at::Tensor group_minmax_cuda(const at::Tensor& x, int64_t groups, int64_t inner);
+at::Tensor range_update_cuda(const at::Tensor& x, int64_t groups, int64_t inner,
+                             at::Tensor clip_val, at::Tensor shift, at::Tensor iteration,
+                             double decay, double one_minus_decay, int64_t range_mode,
+                             int64_t bits, bool update);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd);
+int64_t generator_fingerprint_cuda(int64_t device);
 #endif
 
 }  // namespace mesa

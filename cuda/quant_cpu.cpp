@@ -60,35 +60,6 @@ struct RowNorm {
   int64_t len = 1;
 };
 
-// (row_len, row_stride) of x when Rows can read it and every group segment of `inner` elements
-// lies inside one row; false otherwise (the caller then makes x contiguous).
-bool row_layout(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
-  const int64_t n = x.numel();
-  if (x.is_contiguous()) {
-    *row_len = *row_stride = std::max<int64_t>(n, 1);
-    return true;
-  }
-  const int64_t nd = x.dim();
-  if (nd < 2 || x.stride(nd - 1) != 1) return false;
-  const int64_t len = x.size(nd - 1);
-  int64_t stride = -1, expect = -1;  // walk the leading dims from the innermost outwards
-  for (int64_t d = nd - 2; d >= 0; --d) {
-    if (x.size(d) == 1) continue;
-    if (stride < 0) {
-      stride = x.stride(d);
-      expect = stride * x.size(d);
-    } else {
-      if (x.stride(d) != expect) return false;
-      expect *= x.size(d);
-    }
-  }
-  if (stride < 0) stride = len;  // a single row
-  if (stride < len || len % inner != 0) return false;
-  *row_len = len;
-  *row_stride = stride;
-  return true;
-}
-
 // Calls f(begin, end, group) for the maximal runs of [begin, end) that lie in one group.
 template <typename F>
 inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t groups, F&& f) {
@@ -227,14 +198,6 @@ void for_code_runs(const uint8_t* in, int64_t numel, int bits, int64_t inner, in
 
 namespace {
 
-// x itself when Rows can read it for groups of `inner` elements, else a contiguous copy.
-at::Tensor readable(const at::Tensor& x, int64_t inner, int64_t* row_len, int64_t* row_stride) {
-  if (row_layout(x, inner, row_len, row_stride)) return x;
-  at::Tensor c = x.contiguous();
-  *row_len = *row_stride = std::max<int64_t>(c.numel(), 1);
-  return c;
-}
-
 void quantize_into(const at::Tensor& x, const float* iv, const float* sh, int64_t bits,
                    int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* o,
                    const RowNorm& rn = RowNorm()) {
@@ -364,6 +327,7 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
       hi = std::max(hi, maxs[t * slot + g]);
       b = b || bad[t * slot + g];
     }
+    b = b || !finite_range(lo, hi);  // (as reference.group_minmax: an overflowing range too)
     out_lo[g] = b ? std::numeric_limits<float>::quiet_NaN() : lo;
     out_hi[g] = b ? std::numeric_limits<float>::quiet_NaN() : hi;
   }
@@ -387,16 +351,9 @@ void check_cpu_input(const char* op, const at::Tensor& x, int64_t groups, int64_
 // into o; returns whether every group was finite.
 bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor& clip_val,
                        at::Tensor& shift, at::Tensor& iteration, double decay,
-                       double one_minus_decay, bool batch_mode, int64_t bits, bool update,
+                       double one_minus_decay, int64_t range_mode, int64_t bits, bool update,
                        float* o, const RowNorm& rn = RowNorm()) {
-  for (const at::Tensor* t : {&clip_val, &shift}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == groups &&
-                    t->device().is_cpu(),
-                "mesa range_update: clip_val/shift must be contiguous float32 CPU tensors of ",
-                groups, " elements");
-  }
-  TORCH_CHECK(iteration.scalar_type() == at::kFloat && iteration.numel() == 1,
-              "mesa range_update: iteration must be a float32 tensor of 1 element");
+  check_range_args("range_update", clip_val, shift, iteration, groups, range_mode, x.device());
   check_bits("range_update", bits);
   std::vector<float> lo(static_cast<size_t>(groups)), hi(static_cast<size_t>(groups));
   group_minmax_into(x, groups, inner, lo.data(), hi.data(), rn);
@@ -409,18 +366,14 @@ bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::T
   float* clip = clip_val.data_ptr<float>();
   float* sh = shift.data_ptr<float>();
   float* it = iteration.data_ptr<float>();
-  if (finite && update) {
-    const bool take = batch_mode || it[0] == 0.0f;
-    for (int64_t g = 0; g < groups; ++g)
-      update_range_one(lo[g], hi[g], take, static_cast<float>(decay),
-                       static_cast<float>(one_minus_decay), clip + g, sh + g);
-    it[0] += 1.0f;
-  }
+  const bool ok = finite && update;
+  const bool take = range_mode == kRangeBatch || it[0] == 0.0f;
   const float levels = static_cast<float>((1u << bits) - 1u);
-  for (int64_t g = 0; g < groups; ++g) {
-    scales_one(clip[g], levels, o + g, o + groups + g);
-    o[2 * groups + g] = sh[g];
-  }
+  for (int64_t g = 0; g < groups; ++g)
+    finalize_group(lo[g], hi[g], ok, take, static_cast<float>(decay),
+                   static_cast<float>(one_minus_decay), static_cast<int>(range_mode), levels,
+                   clip + g, sh + g, o + g, groups);
+  if (ok) it[0] += 1.0f;
   return finite;
 }
 
@@ -554,43 +507,17 @@ at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner) 
 // unchanged.
 at::Tensor range_update_cpu(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
                             at::Tensor shift, at::Tensor iteration, double decay,
-                            double one_minus_decay, bool batch_mode, int64_t bits,
+                            double one_minus_decay, int64_t range_mode, int64_t bits,
                             bool update) {
   check_cpu_input("range_update_cpu", x, groups, inner);
   auto out = at::empty({4, groups}, x.options().dtype(at::kFloat));
   range_update_into(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                    batch_mode, bits, update, out.data_ptr<float>());
+                    range_mode, bits, update, out.data_ptr<float>());
   return out;
 }
 
 namespace {
-uint64_t splitmix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-// CRC-32 (zlib's: reflected polynomial 0xEDB88320), a byte at a time; = Python's zlib.crc32.
-struct Crc32Table {
-  uint32_t t[256];
-  Crc32Table() {
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0xEDB88320u : c >> 1;
-      t[i] = c;
-    }
-  }
-};
-
 constexpr size_t kFingerprintBytes = 64;  // = mesa_ops.ops.FINGERPRINT_BYTES
-
-uint32_t crc32_bytes(const uint8_t* p, size_t n) {
-  static const Crc32Table tab;
-  uint32_t c = 0xFFFFFFFFu;
-  for (; n > 0; --n, ++p) c = tab.t[(c ^ *p) & 0xFF] ^ (c >> 8);
-  return c ^ 0xFFFFFFFFu;
-}
 }  // namespace
 
 // CRC-32 of the first kFingerprintBytes bytes of torch's default CPU generator state (of the
@@ -634,46 +561,28 @@ int64_t generator_fingerprint_cpu() {
 // step and shift are rows 1 and 2.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
-    at::Tensor iteration, double decay, double one_minus_decay, bool batch_mode, int64_t bits,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
     const std::optional<at::Tensor>& row_rstd) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
   RowNorm rn;
-  if (row_mean.has_value() && row_mean->defined()) {
-    TORCH_CHECK(row_rstd.has_value() && row_rstd->defined(),
-                "mesa quantize_step_cpu: row_mean given without row_rstd");
-    const int64_t rows = row_mean->numel();
-    for (const at::Tensor* t : {&*row_mean, &*row_rstd})
-      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
-                      t->numel() == rows && rows > 0 && x.numel() % rows == 0,
-                  "mesa quantize_step_cpu: row_mean/row_rstd must be contiguous float32 CPU "
-                  "tensors of one value per row of x");
-    TORCH_CHECK(x.scalar_type() != at::kDouble,
-                "mesa quantize_step_cpu: row normalization takes float32/16 or bfloat16 x");
-    rn.len = x.numel() / rows;
-    TORCH_CHECK(rn.len % inner == 0, "mesa quantize_step_cpu: a row of ", rn.len,
-                " elements is not a whole number of groups of ", inner);
+  rn.len = row_norm_len("quantize_step_cpu", x, inner, row_mean, row_rstd);
+  if (rn.len > 0) {
     rn.mean = row_mean->data_ptr<float>();
     rn.rstd = row_rstd->data_ptr<float>();
+  } else {
+    rn.len = 1;
   }
-  TORCH_CHECK(draws.device().is_cpu() && draws.scalar_type() == at::kLong && draws.numel() == 1,
-              "mesa quantize_step_cpu: draws must be a (1,) int64 CPU tensor");
-  int64_t seed = 0;
-  if (stochastic) {
-    int64_t* n = draws.data_ptr<int64_t>();
-    uint64_t prefix = static_cast<uint64_t>(seed_prefix);
-    if (prefix_of_mix)
-      prefix = splitmix64(static_cast<uint64_t>(generator_fingerprint_cpu()) ^ prefix);
-    seed = static_cast<int64_t>(
-        splitmix64(prefix ^ static_cast<uint64_t>(*n)) &
-        ((uint64_t{1} << 62) - 1));
-    if (update) *n += 1;
-  }
+  const int64_t seed = stochastic ? draw_seed(draws, static_cast<uint64_t>(seed_prefix),
+                                              prefix_of_mix,
+                                              prefix_of_mix ? generator_fingerprint_cpu() : 0,
+                                              update)
+                                   : 0;
   auto params = at::empty({4, groups}, x.options().dtype(at::kFloat));
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
-                                        one_minus_decay, batch_mode, bits, update, o, rn);
+                                        one_minus_decay, range_mode, bits, update, o, rn);
   if (!finite && mark_nonfinite) {
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();

@@ -1,44 +1,231 @@
-// CUDA kernels of Mesa's quantizer on the per-element math of quant_math.h: one thread per output
-// byte (grid-stride), fp32/fp16/bf16 (and fp64) inputs, launched on the current stream.
+// CUDA kernels of Mesa's quantizer on the per-element math of quant_math.h: the twins of the CPU
+// ops of quant_cpu.cpp (same arguments, same bits), launched on the current stream, with no host
+// synchronisation anywhere (the running-range update and the non-finite flags stay on the GPU).
+//
+//   minmax_kernel    per-group min/max/non-finite partials of a (outer, G, inner) tensor (grid
+//                    (chunks, G), one block-level reduction per chunk); the last block to finish
+//                    reduces the partials and finalizes: the (2, G) min/max, or the running-range
+//                    update of (clip_val, shift, iteration) with the (4, G) rows it quantizes with
+//                    (quant_math.h's finalize_group, as the CPU kernel)
+//   quantize_kernel  packed codes, one thread per output byte; x read in place when row-strided
+//                    (q/k/v of a fused qkv projection), optionally row-normalized (a LayerNorm's
+//                    x-hat from its input and statistics)
+//   dequantize_kernel / lut_kernel / levels_kernel: restore into a given buffer, a function of
+//                    the stored tensor through a per-group table (GELU), the table's arguments
+//
+// quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches (and a
+// 4-byte fill of the last-block counter) per stored activation. Index math is 32-bit wherever
+// the sizes allow. The same file compiles for the host under MESA_CUDA_EMULATION
+// (quant_cuda_emu.cpp, cuda_emulation.h), where the kernels run on CPU tensors: the tests check
+// these kernels against the CPU kernels without a GPU.
 #include <torch/extension.h>
+#include <ATen/OpMathType.h>
+
+#if defined(MESA_CUDA_EMULATION)
+#include "cuda_emulation.h"
+#define MESA_LAUNCH(kernel, grid, block, ...) \
+  mesa_emu::launch((grid), (block), [&]() { kernel(__VA_ARGS__); })
+#define MESA_GUARD(t)
+#define MESA_ON_DEVICE(t) ((t).device().is_cpu())
+#define MESA_DEVICE_NAME "emulated CUDA (CPU)"
+#else
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAGuard.h>
+#define MESA_LAUNCH(kernel, grid, block, ...)                                          \
+  do {                                                                                 \
+    kernel<<<(grid), (block), 0, at::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__);     \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                    \
+  } while (0)
+#define MESA_GUARD(t) const c10::cuda::CUDAGuard mesa_guard_((t).device())
+#define MESA_ON_DEVICE(t) ((t).is_cuda())
+#define MESA_DEVICE_NAME "CUDA"
+#endif
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
+#include <mutex>
 
-#include "quant_math.h"
 #include "quant_api.h"
+#include "quant_math.h"
 
 namespace mesa {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // a power of two (the block reductions halve it)
 
-inline int blocks_for(int64_t n) {
+int blocks_for(int64_t n) {
   const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(b, 1), 65535LL * 32));
+  return static_cast<int>(std::min<int64_t>(std::max<int64_t>(b, 1), 65535LL * 8));
 }
 
-template <typename scalar_t>
-__global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __restrict__ inv,
-                                const float* __restrict__ shift, uint8_t* __restrict__ out,
-                                int64_t n, int64_t nbytes, int bits, int64_t inner, int64_t groups,
-                                uint64_t seed, bool stochastic) {
+// Runs f(I{}) with I = uint32_t when every index and offset below `extent` fits in 31 bits, else
+// int64_t: per-element division and remainder in 32 bits where the sizes allow.
+template <typename F>
+void with_index(int64_t extent, F&& f) {
+#if defined(MESA_CUDA_EMULATION)
+  if (mesa_emu::state().force_index64) extent = int64_t{1} << 31;
+#endif
+  if (extent < (int64_t{1} << 31))
+    f(uint32_t{});
+  else
+    f(int64_t{});
+}
+
+// Element e of x in logical order (see row_layout): p[e] for a contiguous x, else
+// p[(e / len) * stride + e % len].
+template <typename T, typename I>
+struct DRows {
+  const T* __restrict__ p;
+  I len, stride;
+  __device__ __forceinline__ float at(I e) const {
+    return static_cast<float>(len == stride ? p[e] : p[(e / len) * stride + e % len]);
+  }
+};
+
+// A LayerNorm's statistics, one per row of rn_len elements (norm == false: none).
+struct DNorm {
+  const float* __restrict__ mean;
+  const float* __restrict__ rstd;
+  int64_t len;
+};
+
+template <typename T, typename I, bool NORM>
+__device__ __forceinline__ float load(const DRows<T, I>& x, const DNorm& rn, I e) {
+  const float v = x.at(e);
+  if (!NORM) return v;
+  const I r = e / static_cast<I>(rn.len);
+  return normalize_one(v, rn.mean[r], rn.rstd[r]);
+}
+
+__device__ __forceinline__ bool nonfinite(float v) {
+  uint32_t b;
+  memcpy(&b, &v, sizeof(b));
+  return nonfinite_bits(b);
+}
+
+// What the last block of minmax_kernel does with the per-group min/max.
+struct Finalize {
+  int op;  // kMinMax: (2, G) min/max into mm; kRange: the range update and its (4, G) rows
+  float* mm;
+  float* clip;
+  float* shift;
+  float* iteration;
+  float* rows;
+  float decay, one_minus_decay, levels;
+  int mode;
+  bool update, mark_nonfinite;
+};
+constexpr int kMinMax = 0;
+constexpr int kRange = 1;
+
+// part: (3, G, chunks) partial lo, hi, non-finite (1/0) of each chunk of each group.
+template <typename T, typename I, bool NORM>
+__global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group, I chunk,
+                              float* __restrict__ part, unsigned* __restrict__ counter,
+                              Finalize fin) {
+  __shared__ float s_lo[kThreads];
+  __shared__ float s_hi[kThreads];
+  __shared__ int s_bad[kThreads];
+  __shared__ bool s_last;
+  __shared__ int s_any_bad;
+  __shared__ float s_iteration;
+  const unsigned tid = threadIdx.x;
+  const I g = blockIdx.y;
+  const I chunks = gridDim.x;
+  const float inf = std::numeric_limits<float>::infinity();
+  float lo = inf, hi = -inf;
+  int bad = 0;
+  const I begin = static_cast<I>(blockIdx.x) * chunk;
+  const I end = std::min<I>(per_group, begin + chunk);
+  for (I j = begin + tid; j < end; j += blockDim.x) {
+    const I o = j / inner;
+    const I e = (o * G + g) * inner + (j - o * inner);
+    const float v = load<T, I, NORM>(x, rn, e);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+    bad |= nonfinite(v) ? 1 : 0;
+  }
+  s_lo[tid] = lo;
+  s_hi[tid] = hi;
+  s_bad[tid] = bad;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (tid < half) {
+      s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
+      s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
+      s_bad[tid] |= s_bad[tid + half];
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    part[(0 * G + g) * chunks + blockIdx.x] = s_lo[0];
+    part[(1 * G + g) * chunks + blockIdx.x] = s_hi[0];
+    part[(2 * G + g) * chunks + blockIdx.x] = static_cast<float>(s_bad[0]);
+    __threadfence();
+    s_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+
+  // ---- the last block: reduce the chunks of each group and finalize ----------------------
+  if (tid == 0) {
+    s_any_bad = 0;
+    s_iteration = fin.op == kRange ? fin.iteration[0] : 0.0f;
+  }
+  __syncthreads();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (I q = tid; q < G; q += blockDim.x) {
+    float l = inf, h = -inf, b = 0.0f;
+    for (I c = 0; c < chunks; ++c) {
+      const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
+      l = pl < l ? pl : l;
+      h = ph > h ? ph : h;
+      b = part[(2 * G + q) * chunks + c] > b ? 1.0f : b;
+    }
+    const bool f = b == 0.0f && finite_range(l, h);
+    part[(0 * G + q) * chunks] = f ? l : nan;
+    part[(1 * G + q) * chunks] = f ? h : nan;
+    if (!f) s_any_bad = 1;  // (every writer writes 1)
+  }
+  __syncthreads();
+  const bool ok = s_any_bad == 0 && fin.update;
+  const bool take = fin.mode == kRangeBatch || s_iteration == 0.0f;
+  for (I q = tid; q < G; q += blockDim.x) {
+    const float l = part[(0 * G + q) * chunks], h = part[(1 * G + q) * chunks];
+    if (fin.op == kMinMax) {
+      fin.mm[q] = l;
+      fin.mm[G + q] = h;
+      continue;
+    }
+    const bool f = l == l;  // not NaN
+    finalize_group(l, h, ok, take, fin.decay, fin.one_minus_decay, fin.mode, fin.levels,
+                   fin.clip + q, fin.shift + q, fin.rows + q, static_cast<int64_t>(G));
+    fin.rows[3 * G + q] = f ? 1.0f : 0.0f;
+    if (!f && fin.mark_nonfinite) fin.rows[2 * G + q] = nan;
+  }
+  if (tid == 0 && fin.op == kRange && ok) fin.iteration[0] = fadd(s_iteration, 1.0f);
+}
+
+template <typename T, typename I, bool NORM>
+__global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ out, I n,
+                                I nbytes, int bits, I inner, I G, const float* __restrict__ inv,
+                                const float* __restrict__ shift, uint64_t seed, bool stochastic) {
   const int per = 8 / bits;
   const float maxq = static_cast<float>((1u << bits) - 1u);
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < nbytes;
-       k += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
+  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < nbytes; k += stride) {
     uint32_t byte = 0;
     for (int j = 0; j < per; ++j) {
-      const int64_t e = k * per + j;
+      const I e = k * per + j;
       if (e >= n) break;
-      const float v = static_cast<float>(x[e]);
+      const float v = load<T, I, NORM>(x, rn, e);
       uint32_t q;
       if (bits == 1) {
         q = mask_one(v);
       } else {
-        const int64_t g = group_of(e, inner, groups);
+        const I g = (e / inner) % G;
         q = quantize_one(v, inv[g], shift[g], stochastic ? uniform(seed, e) : 0.5f, maxq);
       }
       byte |= q << (j * bits);
@@ -47,74 +234,323 @@ __global__ void quantize_kernel(const scalar_t* __restrict__ x, const float* __r
   }
 }
 
-template <typename scalar_t>
-__global__ void dequantize_kernel(const uint8_t* __restrict__ in, const float* __restrict__ step,
-                                  const float* __restrict__ shift, scalar_t* __restrict__ out,
-                                  int64_t n, int bits, int64_t inner, int64_t groups) {
+template <typename I>
+__device__ __forceinline__ uint32_t code_at(const uint8_t* __restrict__ in, I e, int bits) {
   const int per = 8 / bits;
-  const uint32_t mask = (1u << bits) - 1u;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<int64_t>(blockDim.x) * gridDim.x) {
-    const uint32_t q = (static_cast<uint32_t>(in[e / per]) >> ((e % per) * bits)) & mask;
-    const int64_t g = group_of(e, inner, groups);
-    out[e] = static_cast<scalar_t>(dequantize_one(q, step[g], shift[g]));
+  return (static_cast<uint32_t>(in[e / per]) >> ((e % per) * bits)) & ((1u << bits) - 1u);
+}
+
+template <typename T, typename I>
+__global__ void dequantize_kernel(const uint8_t* __restrict__ in, const float* __restrict__ step,
+                                  const float* __restrict__ shift, T* __restrict__ out, I n,
+                                  int bits, I inner, I G) {
+  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
+  for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const I g = (e / inner) % G;
+    out[e] = static_cast<T>(dequantize_one(code_at(in, e, bits), step[g], shift[g]));
   }
+}
+
+// out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel)
+template <typename T, typename I>
+__global__ void lut_kernel(const uint8_t* __restrict__ in, const T* __restrict__ table,
+                           const T* __restrict__ mul, T* __restrict__ out, I n, int bits, I inner,
+                           I G) {
+  using acc_t = at::opmath_type<T>;
+  const I levels = static_cast<I>(1) << bits;
+  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
+  for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const T t = table[((e / inner) % G) * levels + code_at(in, e, bits)];
+    out[e] = mul == nullptr ? t : static_cast<T>(static_cast<acc_t>(mul[e]) * static_cast<acc_t>(t));
+  }
+}
+
+template <typename T>
+__global__ void levels_kernel(const float* __restrict__ step, const float* __restrict__ shift,
+                              T* __restrict__ out, int64_t G, int bits) {
+  const int64_t levels = int64_t{1} << bits;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < G * levels;
+       i += static_cast<int64_t>(blockDim.x) * gridDim.x) {
+    const int64_t g = i / levels;
+    out[i] = static_cast<T>(dequantize_one(static_cast<uint32_t>(i - g * levels), step[g], shift[g]));
+  }
+}
+
+// ---- host side ------------------------------------------------------------------------------
+void check_device_input(const char* op, const at::Tensor& x, int64_t groups, int64_t inner) {
+  TORCH_CHECK(MESA_ON_DEVICE(x), "mesa ", op, ": x must be a ", MESA_DEVICE_NAME, " tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf ||
+                  x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kDouble,
+              "mesa ", op, ": x must be float64/32/16 or bfloat16, got ", x.scalar_type());
+  check_group_args(op, x.numel(), groups, inner);
+}
+
+// The largest element offset any kernel computes for x read through row_layout.
+int64_t extent_of(const at::Tensor& xr, int64_t row_len, int64_t row_stride) {
+  const int64_t n = xr.numel();
+  const int64_t rows = (n + row_len - 1) / std::max<int64_t>(row_len, 1);
+  return std::max<int64_t>(n, rows * std::max(row_stride, row_len)) + 8;
+}
+
+// The per-group min/max pass over x (any layout), finalized as `fin` says.
+void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const float* mean,
+                   const float* rstd, int64_t rn_len, Finalize fin) {
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  const int64_t n = xr.numel();
+  TORCH_CHECK(groups <= 65535, "mesa group_minmax: at most 65535 groups on CUDA, got ", groups);
+  const int64_t per_group = n / groups;
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(
+      (per_group + kThreads * 8 - 1) / (kThreads * 8), std::max<int64_t>(1, 2048 / groups)));
+  const int64_t chunk = std::max<int64_t>(1, (per_group + want - 1) / want);
+  const int64_t chunks = std::max<int64_t>(1, (per_group + chunk - 1) / chunk);
+  auto part = at::empty({3, groups, chunks}, xr.options().dtype(at::kFloat));
+  auto counter = at::zeros({1}, xr.options().dtype(at::kInt));
+  const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
+  const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(groups));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_minmax_cuda", [&] {
+    with_index(extent_of(xr, row_len, row_stride), [&](auto tag) {
+      using I = decltype(tag);
+      const DRows<scalar_t, I> rows{xr.data_ptr<scalar_t>(), static_cast<I>(row_len),
+                                    static_cast<I>(row_stride)};
+      auto* u = reinterpret_cast<unsigned*>(counter.data_ptr<int>());
+      if (mean != nullptr) {
+        auto k = &minmax_kernel<scalar_t, I, true>;
+        MESA_LAUNCH(k, grid, kThreads, rows, rn, static_cast<I>(groups), static_cast<I>(inner),
+                    static_cast<I>(per_group), static_cast<I>(chunk), part.data_ptr<float>(), u, fin);
+      } else {
+        auto k = &minmax_kernel<scalar_t, I, false>;
+        MESA_LAUNCH(k, grid, kThreads, rows, rn, static_cast<I>(groups), static_cast<I>(inner),
+                    static_cast<I>(per_group), static_cast<I>(chunk), part.data_ptr<float>(), u, fin);
+      }
+    });
+  });
+}
+
+void launch_quantize(const at::Tensor& x, const float* inv, const float* shift, int64_t bits,
+                     int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* out,
+                     const float* mean = nullptr, const float* rstd = nullptr, int64_t rn_len = 1) {
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  const int64_t n = xr.numel();
+  if (n == 0) return;
+  const int64_t per = 8 / bits;
+  const int64_t nbytes = (n + per - 1) / per;
+  const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
+  const uint64_t useed = static_cast<uint64_t>(seed);
+  const int b = static_cast<int>(bits);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_quantize_cuda", [&] {
+    with_index(extent_of(xr, row_len, row_stride), [&](auto tag) {
+      using I = decltype(tag);
+      const DRows<scalar_t, I> rows{xr.data_ptr<scalar_t>(), static_cast<I>(row_len),
+                                    static_cast<I>(row_stride)};
+      if (mean != nullptr) {
+        auto k = &quantize_kernel<scalar_t, I, true>;
+        MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
+                    static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
+                    shift, useed, stochastic);
+      } else {
+        auto k = &quantize_kernel<scalar_t, I, false>;
+        MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
+                    static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
+                    shift, useed, stochastic);
+      }
+    });
+  });
+}
+
+at::Tensor packed_for(const at::Tensor& x, int64_t bits) {
+  const int64_t per = 8 / bits;
+  return at::empty({(x.numel() + per - 1) / per}, x.options().dtype(at::kByte));
+}
+
+Finalize range_finalize(at::Tensor& clip_val, at::Tensor& shift, at::Tensor& iteration,
+                        at::Tensor& rows, double decay, double one_minus_decay,
+                        int64_t range_mode, int64_t bits, bool update, bool mark_nonfinite) {
+  return Finalize{kRange, nullptr, clip_val.data_ptr<float>(), shift.data_ptr<float>(),
+                  iteration.data_ptr<float>(), rows.data_ptr<float>(),
+                  static_cast<float>(decay), static_cast<float>(one_minus_decay),
+                  static_cast<float>((1u << bits) - 1u), static_cast<int>(range_mode), update,
+                  mark_nonfinite};
 }
 
 }  // namespace
 
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
                          int64_t bits, int64_t groups, int64_t inner, int64_t seed, bool stochastic) {
-  TORCH_CHECK(x.is_cuda(), "mesa quantize_cuda: x must be a CUDA tensor");
-  check_quantize_args(x, inv, shift, bits, groups, inner);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t n = x.numel();
-  const int64_t per = 8 / bits;
-  const int64_t nbytes = (n + per - 1) / per;
-  auto out = at::empty({nbytes}, x.options().dtype(at::kByte));
+  check_device_input("quantize_cuda", x, groups, inner);
+  check_bits("quantize", bits);
+  check_params("quantize", inv, shift, groups, x.device());
+  MESA_GUARD(x);
+  auto out = packed_for(x, bits);
+  launch_quantize(x, inv.data_ptr<float>(), shift.data_ptr<float>(), bits, groups, inner, seed,
+                  stochastic, out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
+                               const at::Tensor& shift, int64_t bits, int64_t groups,
+                               int64_t inner, at::Tensor out) {
+  const int64_t n = out.numel();
+  check_dequantize_args(packed, step, shift, bits, groups, inner, n);
+  TORCH_CHECK(MESA_ON_DEVICE(packed) && out.device() == packed.device() && out.is_contiguous(),
+              "mesa dequantize_out_cuda: packed and a contiguous out must be ", MESA_DEVICE_NAME,
+              " tensors on one device");
+  MESA_GUARD(packed);
   if (n == 0) return out;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_quantize_cuda", [&] {
-    quantize_kernel<scalar_t><<<blocks_for(nbytes), kThreads, 0, stream>>>(
-        x.data_ptr<scalar_t>(), inv.data_ptr<float>(), shift.data_ptr<float>(),
-        out.data_ptr<uint8_t>(), n, nbytes, static_cast<int>(bits), inner, groups,
-        static_cast<uint64_t>(seed), stochastic);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_dequantize_cuda", [&] {
+    with_index(n + 8, [&](auto tag) {
+      using I = decltype(tag);
+      auto k = &dequantize_kernel<scalar_t, I>;
+      MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), step.data_ptr<float>(),
+                  shift.data_ptr<float>(), out.data_ptr<scalar_t>(), static_cast<I>(n),
+                  static_cast<int>(bits), static_cast<I>(inner), static_cast<I>(groups));
+    });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
 at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& step, const at::Tensor& shift,
                            int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                            at::ScalarType dtype) {
-  TORCH_CHECK(packed.is_cuda(), "mesa dequantize_cuda: packed must be a CUDA tensor");
-  check_dequantize_args(packed, step, shift, bits, groups, inner, numel);
-  const c10::cuda::CUDAGuard guard(packed.device());
   auto out = at::empty({numel}, packed.options().dtype(dtype));
-  if (numel == 0) return out;
-  auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mesa_dequantize_cuda", [&] {
-    dequantize_kernel<scalar_t><<<blocks_for(numel), kThreads, 0, stream>>>(
-        packed.data_ptr<uint8_t>(), step.data_ptr<float>(), shift.data_ptr<float>(),
-        out.data_ptr<scalar_t>(), numel, static_cast<int>(bits), inner, groups);
+  return dequantize_out_cuda(packed, step, shift, bits, groups, inner, out);
+}
+
+at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
+                              int64_t groups, int64_t inner, at::Tensor out,
+                              const std::optional<at::Tensor>& mul) {
+  const int64_t n = out.numel();
+  check_packed_args("lut_apply", packed, bits, groups, inner, n);
+  const at::Device dev = packed.device();
+  TORCH_CHECK(MESA_ON_DEVICE(packed) && out.device() == dev && out.is_contiguous(),
+              "mesa lut_apply: out must be a contiguous tensor on the device of packed");
+  const int64_t levels = int64_t{1} << bits;
+  TORCH_CHECK(table.device() == dev && table.is_contiguous() && table.scalar_type() == out.scalar_type() &&
+                  table.dim() == 2 && table.size(0) == groups && table.size(1) == levels,
+              "mesa lut_apply: table must be a contiguous (", groups, ", ", levels,
+              ") tensor of out's dtype and device");
+  const bool has_mul = mul.has_value() && mul->defined();
+  if (has_mul)
+    TORCH_CHECK(mul->device() == dev && mul->is_contiguous() && mul->numel() == n &&
+                    mul->scalar_type() == out.scalar_type(),
+                "mesa lut_apply: mul must be a contiguous tensor of out's dtype, size and device");
+  MESA_GUARD(packed);
+  if (n == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_lut_apply_cuda", [&] {
+    with_index(n + 8, [&](auto tag) {
+      using I = decltype(tag);
+      auto k = &lut_kernel<scalar_t, I>;
+      MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), table.data_ptr<scalar_t>(),
+                  has_mul ? mul->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
+                  static_cast<I>(n), static_cast<int>(bits), static_cast<I>(inner),
+                  static_cast<I>(groups));
+    });
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 
-// Per-group (min, max) on the GPU with ATen reductions; a group holding NaN/Inf gets NaN in both
-// rows, matching group_minmax_cpu.
+at::Tensor levels_cuda(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
+                       at::ScalarType dtype) {
+  check_bits("levels", bits);
+  const int64_t groups = step.numel();
+  check_params("levels", step, shift, groups, step.device());
+  TORCH_CHECK(MESA_ON_DEVICE(step), "mesa levels: step must be a ", MESA_DEVICE_NAME, " tensor");
+  MESA_GUARD(step);
+  auto out = at::empty({groups, int64_t{1} << bits}, step.options().dtype(dtype));
+  if (groups == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mesa_levels_cuda", [&] {
+    auto k = &levels_kernel<scalar_t>;
+    MESA_LAUNCH(k, blocks_for(out.numel()), kThreads, step.data_ptr<float>(),
+                shift.data_ptr<float>(), out.data_ptr<scalar_t>(), groups, static_cast<int>(bits));
+  });
+  return out;
+}
+
+// Per-group (min, max) as a (2, G) float tensor; a group holding NaN/Inf (or whose range
+// overflows) gets NaN in both rows, as group_minmax_cpu.
 at::Tensor group_minmax_cuda(const at::Tensor& x, int64_t groups, int64_t inner) {
-  TORCH_CHECK(x.is_cuda(), "mesa group_minmax_cuda: x must be a CUDA tensor");
-  TORCH_CHECK(x.is_contiguous(), "mesa group_minmax: x must be contiguous");
-  check_group_args("group_minmax", x.numel(), groups, inner);
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto v = x.view({-1, groups, inner});
-  auto mn = v.amin({0, 2}).to(at::kFloat);
-  auto mx = v.amax({0, 2}).to(at::kFloat);
-  auto bad = (mx - mn).isfinite().logical_not();
-  auto nan = at::full_like(mn, std::numeric_limits<float>::quiet_NaN());
-  return at::stack({at::where(bad, nan, mn), at::where(bad, nan, mx)});
+  check_device_input("group_minmax_cuda", x, groups, inner);
+  MESA_GUARD(x);
+  auto out = at::empty({2, groups}, x.options().dtype(at::kFloat));
+  if (x.numel() == 0) return out.fill_(std::numeric_limits<float>::quiet_NaN());
+  Finalize fin{kMinMax, out.data_ptr<float>()};
+  launch_minmax(x, groups, inner, nullptr, nullptr, 1, fin);
+  return out;
+}
+
+at::Tensor range_update_cuda(const at::Tensor& x, int64_t groups, int64_t inner,
+                             at::Tensor clip_val, at::Tensor shift, at::Tensor iteration,
+                             double decay, double one_minus_decay, int64_t range_mode,
+                             int64_t bits, bool update) {
+  check_device_input("range_update_cuda", x, groups, inner);
+  check_range_args("range_update", clip_val, shift, iteration, groups, range_mode, x.device());
+  check_bits("range_update", bits);
+  TORCH_CHECK(x.numel() > 0, "mesa range_update_cuda: x is empty");
+  MESA_GUARD(x);
+  auto rows = at::empty({4, groups}, x.options().dtype(at::kFloat));
+  launch_minmax(x, groups, inner, nullptr, nullptr, 1,
+                range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
+                               range_mode, bits, update, false));
+  return rows;
+}
+
+// The seed prefix source of quantize_step's prefix_of_mix: CRC-32 of the 16 bytes
+// torch.cuda.default_generators[device].get_state() returns (uint64 seed, int64 offset), read
+// on the host (= mesa_ops.ops.torch_fingerprint for a CUDA device). Emulated: the CPU
+// generator's (the emulated device is the CPU).
+int64_t generator_fingerprint_cuda(int64_t device) {
+#if defined(MESA_CUDA_EMULATION)
+  (void)device;
+  return generator_fingerprint_cpu();
+#else
+  auto gen = at::cuda::detail::getDefaultCUDAGenerator(static_cast<c10::DeviceIndex>(device));
+  uint64_t seed = 0;
+  int64_t offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    auto* impl = gen.get<at::CUDAGeneratorImpl>();
+    seed = impl->current_seed();
+    offset = static_cast<int64_t>(impl->philox_offset_per_thread());
+  }
+  uint8_t b[16];
+  std::memcpy(b, &seed, 8);
+  std::memcpy(b + 8, &offset, 8);
+  return crc32_bytes(b, 16);
+#endif
+}
+
+// quantize_step_cpu's twin: the range update (minmax_kernel, finalized on the device) and the
+// packed codes (quantize_kernel) in two launches. Returns (packed, step, shift, (4, G) rows); the
+// binding adds None where the CPU op returns its host "all finite" flag.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd) {
+  check_device_input("quantize_step_cuda", x, groups, inner);
+  check_range_args("quantize_step", clip_val, shift, iteration, groups, range_mode, x.device());
+  check_bits("quantize_step", bits);
+  TORCH_CHECK(x.numel() > 0, "mesa quantize_step_cuda: x is empty");
+  const int64_t rn_len = row_norm_len("quantize_step_cuda", x, inner, row_mean, row_rstd);
+  const float* mean = rn_len > 0 ? row_mean->data_ptr<float>() : nullptr;
+  const float* rstd = rn_len > 0 ? row_rstd->data_ptr<float>() : nullptr;
+  MESA_GUARD(x);
+  const int64_t seed =
+      stochastic ? draw_seed(draws, static_cast<uint64_t>(seed_prefix), prefix_of_mix,
+                             prefix_of_mix ? generator_fingerprint_cuda(x.device().index()) : 0,
+                             update)
+                 : 0;
+  auto rows = at::empty({4, groups}, x.options().dtype(at::kFloat));
+  launch_minmax(x, groups, inner, mean, rstd, rn_len,
+                range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
+                               range_mode, bits, update, mark_nonfinite));
+  auto packed = packed_for(x, bits);
+  const float* r = rows.data_ptr<float>();
+  launch_quantize(x, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
+                  packed.data_ptr<uint8_t>(), mean, rstd, rn_len);
+  return {packed, rows.select(0, 1), rows.select(0, 2), rows};
 }
 
 }  // namespace mesa

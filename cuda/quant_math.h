@@ -114,6 +114,17 @@ MESA_HD float fdiv(float a, float b) {
 }
 
 // ---- per-group running range (Pan et al., Sec. 3.2: running estimates) ----------------------
+// Range modes (mesa_ops.quant.RANGE_MODES, in this order):
+//   kRangeEma   the paper's rule: the stored copy is quantized with the running range; values
+//               beyond it are clamped to its edges (a bias wherever the batch exceeds the range)
+//   kRangeBatch the batch's own min/max every step (no state kept between steps in effect)
+//   kRangeUnion the running range as kRangeEma updates it, but each stored copy is quantized with
+//               the union of that range and the batch's min/max: nothing is ever clamped, so
+//               stochastic rounding stays unbiased for every value (the default)
+constexpr int kRangeEma = 0;
+constexpr int kRangeBatch = 1;
+constexpr int kRangeUnion = 2;
+
 // One group's update from the batch's min `lo` and max `hi`. first/batch_mode: take the batch's
 // range; else EMA: clip = clip * d + (hi - lo) * c and shift = shift * d + lo * c, c = 1 - d
 // (d and c are given, both rounded from double to float, as the PyTorch reference does).
@@ -136,6 +147,43 @@ MESA_HD void scales_one(float clip, float levels, float* inv, float* step) {
   const float r = clip > kRangeEps ? clip : kRangeEps;
   *inv = fdiv(levels, r);
   *step = fdiv(r, levels);
+}
+
+// The range (offset *qlo, width *qrange) a group's stored copy is quantized with, from its
+// (already updated) running state (clip, shift) and the batch's lo/hi: the state's range, or under
+// kRangeUnion its union with [lo, hi]. NaN lo/hi (a non-finite group) leave the state's range.
+MESA_HD void quant_range_one(int mode, float lo, float hi, float clip, float shift, float* qlo,
+                             float* qrange) {
+  if (mode != kRangeUnion) {
+    *qlo = shift;
+    *qrange = clip;
+    return;
+  }
+  const float top = fadd(shift, clip);
+  const float l = lo < shift ? lo : shift;
+  const float h = hi > top ? hi : top;
+  *qlo = l;
+  *qrange = fsub(h, l);
+}
+
+// Whether a group's batch statistics are usable: lo, hi and hi - lo finite (a range that
+// overflows float32, e.g. -3e38 and 3e38 in one group, counts as non-finite).
+MESA_HD bool finite_range(float lo, float hi) {
+  const float r = fsub(hi, lo);
+  return fsub(r, r) == 0.0f && fsub(lo, lo) == 0.0f;  // x - x == 0 exactly when x is finite
+}
+
+// One group of the fused range step: the running-range update of (clip, shift) when `ok` (every
+// group finite and not a recomputation), then the rows the batch is quantized with -- inv, step
+// (from the range of quant_range_one) and the offset -- written to o[0 * G], o[1 * G], o[2 * G]
+// (o points at group g's column of the (4, G) rows; row 3, the finite flag, is the caller's).
+MESA_HD void finalize_group(float lo, float hi, bool ok, bool take, float d, float c, int mode,
+                            float levels, float* clip, float* shift, float* o, int64_t G) {
+  if (ok) update_range_one(lo, hi, take, d, c, clip, shift);
+  float qlo, qr;
+  quant_range_one(mode, lo, hi, *clip, *shift, &qlo, &qr);
+  scales_one(qr, levels, o, o + G);
+  o[2 * G] = qlo;
 }
 
 // Element e of a tensor viewed as (outer, G, inner) belongs to group (e / inner) % G.

@@ -1,19 +1,37 @@
 """Backend choice per tensor and lazy JIT build of the kernels in ``cuda/``.
 
 CUDA tensor -> CUDA kernel, CPU tensor -> C++ kernel; ``MESA_BACKEND=torch|cpp|cuda`` forces one
-(``torch`` is the pure-PyTorch reference of :mod:`mesa_ops.reference`). Nothing is compiled at
-import: the first quantization builds the extension with ``torch.utils.cpp_extension.load``
-(ninja) and caches it. If the C++ build fails, one warning is issued and the reference is used.
+(``torch`` is the pure-PyTorch reference of :mod:`mesa_ops.reference`, which runs on any device).
+Nothing is compiled at import: the first quantization builds the extension with
+``torch.utils.cpp_extension.load`` (ninja). A build that fails gives one warning and the
+reference for the rest of the process (an error where ``MESA_BACKEND`` forces that backend).
+
+Builds are keyed by their contents: the extension's name carries a hash of its sources, headers
+and flags, and it is compiled from a copy of them in its own build folder, so checkouts at the
+same commit share one build and different commits never overwrite each other's.
+
+On CUDA each (dtype, bits) a run quantizes is first checked once on the device against the
+reference (:func:`kernel_for`): a kernel that disagrees is never used to train.
+Fake tensors (``torch._subclasses.fake_tensor``: CUDA tensors without a GPU, meta tensors) get
+:class:`_FakeKernels`, which give every kernel's output shapes and dtypes and compute nothing, so
+the Python side of any device's path can run, be traced and be checked for host syncs.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
+import hashlib
+import logging
 import os
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import reference
 
@@ -22,6 +40,7 @@ BACKENDS = ("torch", "cpp", "cuda")
 # -fopenmp: at::parallel_for is inline in ATen's headers and runs serially unless the extension
 # itself is compiled with OpenMP (torch links the same libgomp, so the pools are shared)
 _CXX_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_CUDA_FLAGS = ["-O3", "--fmad=false"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,9 +90,11 @@ class BackendUnavailable(RuntimeError):
     """The backend that was asked for cannot be built or used here."""
 
 
-def _sources(with_cuda: bool) -> list[str]:
-    names = ["bindings.cpp", "quant_cpu.cpp"] + (["quant_cuda.cu"] if with_cuda else [])
-    return [str(CUDA_DIR / n) for n in names]
+# ---- the build ------------------------------------------------------------------------------
+KINDS = ("cpu", "cuda", "emu")  # emu: the CUDA kernels compiled for the host (cuda_emulation.h)
+_SOURCES = {"cpu": ["bindings.cpp", "quant_cpu.cpp"],
+            "cuda": ["bindings.cpp", "quant_cpu.cpp", "quant_cuda.cu"],
+            "emu": ["bindings.cpp", "quant_cpu.cpp", "quant_cuda_emu.cpp"]}
 
 
 def nvidia_include_dirs() -> list[str]:
@@ -88,109 +109,236 @@ def nvidia_include_dirs() -> list[str]:
     return sorted(set(found))
 
 
-def build_extension(with_cuda: bool, verbose: bool = False, build_directory: str | None = None):
-    """Compile (or load from the torch extensions cache) Mesa's extension and return the module."""
-    from torch.utils import cpp_extension
+def _has_cudart(home: str) -> bool:
+    return any(glob.glob(os.path.join(home, sub, "libcudart.so*"))
+               for sub in ("lib64", "lib", os.path.join("targets", "*", "lib")))
 
+
+def cuda_home(environ=None, which=shutil.which, defaults=("/usr/local/cuda",)) -> str | None:
+    """The CUDA toolkit to build with: ``$CUDA_HOME`` / ``$CUDA_PATH`` where set, else the first
+    of ``/usr/local/cuda`` and the folder above the real (symlinks resolved) ``nvcc`` on PATH
+    that holds both ``bin/nvcc`` and the CUDA runtime library. torch guesses the folder above
+    the first ``nvcc`` on PATH, which for a wrapper script in /usr/local/bin is /usr/local and
+    fails to link (``cannot find -lcudart``)."""
+    env = os.environ if environ is None else environ
+    given = env.get("CUDA_HOME") or env.get("CUDA_PATH")
+    if given:
+        return given
+    candidates = list(defaults)
+    nvcc = which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+        candidates.append(os.path.dirname(os.path.dirname(nvcc)))
+    for home in candidates:
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and _has_cudart(home):
+            return home
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_cpp_extension():
+    """Import torch.utils.cpp_extension without its 'No CUDA runtime is found' warning (logged at
+    import on every machine without a GPU, where it only means what Mesa already knows)."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+        yield cpp_extension
+    finally:
+        log.setLevel(level)
+
+
+def _build_spec(kind: str) -> dict:
+    """Sources, flags and the content-keyed name of the extension ``kind``."""
+    if kind not in KINDS:
+        raise ValueError(f"mesa extension kind must be one of {KINDS}, got {kind!r}")
     level = cpu_simd()
-    simd = SIMD_FLAGS[level]
-    name = ("mesa_ext_cuda" if with_cuda else "mesa_ext_cpu") + ("" if level == "none" else f"_{level}")
-    kwargs = dict(
-        name=name,
-        sources=_sources(with_cuda),
-        extra_cflags=_CXX_FLAGS + simd + (["-DMESA_WITH_CUDA"] if with_cuda else []),
-        extra_include_paths=[str(CUDA_DIR)] + (nvidia_include_dirs() if with_cuda else []),
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
-    if with_cuda:
-        kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false", "-DMESA_WITH_CUDA"]
-    if build_directory is not None:
-        os.makedirs(build_directory, exist_ok=True)
-        kwargs["build_directory"] = build_directory
-    return cpp_extension.load(**kwargs)
+    cflags = _CXX_FLAGS + SIMD_FLAGS[level]
+    if kind != "cpu":
+        cflags = cflags + ["-DMESA_WITH_CUDA"] + (["-DMESA_CUDA_EMULATION"] if kind == "emu" else [])
+    cuda_flags = _CUDA_FLAGS + ["-DMESA_WITH_CUDA"] if kind == "cuda" else []
+    files = sorted({p.name for p in CUDA_DIR.iterdir()
+                    if p.suffix in (".h", ".cuh", ".cpp", ".cu")})
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.encode() + b"\0" + (CUDA_DIR / f).read_bytes() + b"\0")
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if kind == "cuda" else ""
+    h.update(repr((cflags, cuda_flags, arch, torch.__version__, sys.version_info[:2])).encode())
+    simd = "" if level == "none" else f"_{level}"
+    return dict(name=f"mesa_ext_{kind}{simd}_{h.hexdigest()[:12]}", files=files,
+                sources=_SOURCES[kind], cflags=cflags, cuda_flags=cuda_flags)
+
+
+def _stage(spec: dict, build_dir: str) -> str:
+    """Copy the sources into ``build_dir``/src (once: the folder's name is keyed by them)."""
+    src = os.path.join(build_dir, "src")
+    if not all(os.path.exists(os.path.join(src, f)) for f in spec["files"]):
+        os.makedirs(src, exist_ok=True)
+        for f in spec["files"]:
+            tmp = os.path.join(src, f"{f}.{os.getpid()}.tmp")
+            shutil.copyfile(CUDA_DIR / f, tmp)
+            os.replace(tmp, os.path.join(src, f))
+    return src
+
+
+def build_extension(kind: str = "cpu", verbose: bool = False, build_directory: str | None = None):
+    """Compile (or load, when built before) Mesa's extension ``kind`` ('cpu', 'cuda' or 'emu')
+    and return the module. Prints one line before a build that has to compile."""
+    if kind is True or kind is False:  # (the older signature: build_extension(with_cuda))
+        kind = "cuda" if kind else "cpu"
+    spec = _build_spec(kind)
+    with _quiet_cpp_extension() as cpp_extension:
+        build_dir = build_directory or cpp_extension._get_build_directory(spec["name"], verbose)
+        os.makedirs(build_dir, exist_ok=True)
+        src = _stage(spec, build_dir)
+        kwargs = dict(name=spec["name"], sources=[os.path.join(src, f) for f in spec["sources"]],
+                      extra_cflags=spec["cflags"], extra_include_paths=[src],
+                      extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=verbose)
+        if not os.path.exists(os.path.join(build_dir, spec["name"] + ".so")):
+            print(f"mesa_ops: building Mesa's {kind.upper()} kernels once (a few minutes on 2 cores; "
+                  f"kept in {build_dir})", file=sys.stderr, flush=True)
+        if kind != "cuda":
+            return cpp_extension.load(**kwargs)
+        home = cuda_home()
+        if home is None:
+            raise BackendUnavailable("mesa_ops: no CUDA toolkit found (set CUDA_HOME to the folder "
+                                     "holding bin/nvcc and the CUDA runtime library)")
+        kwargs["extra_cuda_cflags"] = spec["cuda_flags"]
+        kwargs["extra_include_paths"] += nvidia_include_dirs()
+        saved = cpp_extension.CUDA_HOME
+        cpp_extension.CUDA_HOME = home  # torch's own guess, used by load(), for this build only
+        try:
+            return cpp_extension.load(**kwargs)
+        finally:
+            cpp_extension.CUDA_HOME = saved
+
+
+_BUILD_ERRORS = (RuntimeError, OSError, ImportError, subprocess.CalledProcessError)
 
 
 @functools.lru_cache(maxsize=None)
+def _extension(kind: str):
+    """The built extension ``kind``, or the exception its build raised (cached either way: a
+    failed build is tried once per process)."""
+    try:
+        return build_extension(kind)
+    except _BUILD_ERRORS as exc:
+        return exc
+
+
 def _cpu_extension():
     """The C++ extension, or None (with one warning) when it cannot be built."""
-    try:
-        return build_extension(with_cuda=False)
-    except (RuntimeError, OSError, ImportError, FileNotFoundError) as exc:  # compiler/ninja missing
-        warnings.warn(f"mesa_ops: building the C++ kernels failed ({exc}); "
-                      "falling back to the pure-PyTorch reference (slower, same results).",
-                      RuntimeWarning, stacklevel=3)
-        return None
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_extension():
-    try:
-        return build_extension(with_cuda=True)
-    except (RuntimeError, OSError, ImportError) as exc:
-        raise BackendUnavailable(f"mesa_ops: building the CUDA kernels failed: {exc}") from exc
+    ext = _extension("cpu")
+    return None if isinstance(ext, BaseException) else ext
 
 
 class _Reference:
     name = "torch"
     has_quantize_step = has_dequantize_out = False
+    lut_apply_out = levels = None
     quantize = staticmethod(reference.quantize)
     dequantize = staticmethod(reference.dequantize)
     group_minmax = staticmethod(reference.group_minmax)
     range_update = staticmethod(reference.range_update)
 
 
+_REFERENCE = _Reference()
+
+
 class _Extension:
     def __init__(self, ext, suffix: str):
         self.name = suffix
-        self._q = getattr(ext, f"quantize_{suffix}")
+        self.quantize = getattr(ext, f"quantize_{suffix}")
         self._d = getattr(ext, f"dequantize_{suffix}")
-        self._m = getattr(ext, f"group_minmax_{suffix}")
-        self._r = getattr(ext, f"range_update_{suffix}", None)
+        self.group_minmax = getattr(ext, f"group_minmax_{suffix}")
+        # range_update(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
+        #              range_mode, bits, update) -> (4, G) rows inv, step, offset, finite
+        self.range_update = getattr(ext, f"range_update_{suffix}")
         # the one-call paths, bound directly (no Python wrapper: they run once per activation)
         #   quantize_step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-        #                 batch_mode, bits, update, seed_prefix, draws, stochastic,
+        #                 range_mode, bits, update, seed_prefix, draws, stochastic,
         #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None)
         #     -> (packed, step, shift, all finite, (4, G) rows): range_update, then quantize
         #     with the seed ops.make_seed gives for draws[0] (advanced when update), reading x
-        #     in any layout (CPU); seed_prefix is ops.seed_prefix, or with prefix_of_mix
-        #     ops.salt_mix (the kernel hashes torch's generator state itself)
+        #     in any layout; seed_prefix is ops.seed_prefix, or with prefix_of_mix ops.salt_mix
+        #     (the kernel hashes torch's generator state of x's device itself). "all finite" is
+        #     a bool on CPU and None on CUDA (not known on the host without a sync: the finite
+        #     row of the (4, G) rows stays on the device, see ops.defer_nonfinite)
         #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
-        self.quantize_step = getattr(ext, f"quantize_step_{suffix}", None)
-        self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}", None)
         #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None) -> out:
-        #     out = table[group][code] (* mul) (CPU; reference.lut_apply elsewhere)
-        self.lut_apply_out = getattr(ext, f"lut_apply_out_{suffix}", None)
+        #     out = table[group][code] (* mul)
         #   levels(step, shift, bits, dtype) -> (G, 2^bits) dequantized values (reference.levels)
-        self.levels = getattr(ext, f"levels_{suffix}", None)
-        self.has_quantize_step = self.quantize_step is not None
-        self.has_dequantize_out = self.dequantize_out is not None
-
-    def quantize(self, x, inv, shift, bits, groups, inner, seed, stochastic=True):
-        return self._q(x, inv, shift, bits, groups, inner, seed, stochastic)
+        self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
+        self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
+        self.lut_apply_out = getattr(ext, f"lut_apply_out_{suffix}")
+        self.levels = getattr(ext, f"levels_{suffix}")
+        self.has_quantize_step = self.has_dequantize_out = True
 
     def dequantize(self, packed, step, shift, bits, groups, inner, numel, dtype):
         return self._d(packed, step, shift, bits, groups, inner, numel, dtype)
 
-    def group_minmax(self, x, groups, inner):
-        return self._m(x, groups, inner)
 
-    def range_update(self, x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                     batch_mode, bits, update=True):
-        if self._r is not None:  # fused C++ (CPU)
-            return self._r(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                           batch_mode, bits, update)
-        # CUDA: the reference's tensor ops on the GPU (no host sync), min/max by the kernel
-        return reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
-                                      one_minus_decay, batch_mode, bits, update, minmax=self._m)
+def _new_empty(t, shape, dtype):
+    return t.new_empty(shape, dtype=dtype)
+
+
+class _FakeKernels:
+    """The kernels' signatures for fake/meta tensors: outputs of the right shape, dtype and
+    device, nothing computed (in-place state updates are no-ops), no host flag (as on CUDA)."""
+
+    name = "fake"
+    has_quantize_step = has_dequantize_out = True
+
+    @staticmethod
+    def quantize(x, inv, shift, bits, groups, inner, seed, stochastic=True):
+        per = 8 // bits
+        return _new_empty(x, ((x.numel() + per - 1) // per,), torch.uint8)
+
+    @staticmethod
+    def dequantize(packed, step, shift, bits, groups, inner, numel, dtype):
+        return _new_empty(packed, (numel,), dtype)
+
+    @staticmethod
+    def group_minmax(x, groups, inner):
+        return _new_empty(x, (2, groups), torch.float32)
+
+    @staticmethod
+    def range_update(x, groups, inner, *args, **kwargs):
+        return _new_empty(x, (4, groups), torch.float32)
+
+    @staticmethod
+    def quantize_step(x, groups, inner, *args, **kwargs):
+        rows = _new_empty(x, (4, groups), torch.float32)
+        return _FakeKernels.quantize(x, None, None, args[6], groups, inner, 0), rows[1], rows[2], None, rows
+
+    @staticmethod
+    def dequantize_out(packed, step, shift, bits, groups, inner, out):
+        return out
+
+    @staticmethod
+    def lut_apply_out(packed, table, bits, groups, inner, out, mul=None):
+        return out
+
+    @staticmethod
+    def levels(step, shift, bits, dtype):
+        return _new_empty(step, (step.numel(), 1 << bits), dtype)
+
+
+_FAKE = _FakeKernels()
 
 
 @functools.lru_cache(maxsize=None)
 def _extension_backend(kind: str):
-    if kind == "cuda":
-        return _Extension(_cuda_extension(), "cuda")
-    ext = _cpu_extension()
-    return _Extension(ext, "cpu") if ext is not None else _Reference()
+    """The backend of the built extension: 'cuda', or 'cpp' (the CPU kernels). A failed build
+    warns once and gives the reference."""
+    ext = _extension("cuda" if kind == "cuda" else "cpu")
+    if isinstance(ext, BaseException):
+        warnings.warn(f"mesa_ops: building the {'CUDA' if kind == 'cuda' else 'C++'} kernels failed "
+                      f"({ext}); falling back to the pure-PyTorch reference for the rest of the "
+                      "process (slower, same results)", RuntimeWarning, stacklevel=3)
+        return _REFERENCE
+    return _Extension(ext, "cuda" if kind == "cuda" else "cpu")
 
 
 # os.environ's own mapping and its key for MESA_BACKEND: forced_backend reads it as
@@ -217,17 +365,91 @@ def forced_backend() -> str | None:
     return name or None
 
 
+def _cuda_backend(forced: bool):
+    be = _extension_backend("cuda")
+    if forced and be is _REFERENCE:
+        raise BackendUnavailable(f"MESA_BACKEND=cuda but the CUDA kernels could not be built: "
+                                 f"{_extension('cuda')}")
+    return be
+
+
 def get_backend(t: torch.Tensor, name: str | None = None):
-    """The backend for tensor ``t``: ``name`` if given, else $MESA_BACKEND, else by device."""
+    """The backend for tensor ``t``: ``name`` if given, else $MESA_BACKEND, else by device
+    (fake and meta tensors: :class:`_FakeKernels`)."""
     name = name or forced_backend()
+    if type(t) is FakeTensor or t.is_meta:
+        return _REFERENCE if name == "torch" else _FAKE
     if name is None:  # the usual case, first
-        return _extension_backend("cuda" if t.is_cuda else "cpp")
+        return _cuda_backend(False) if t.is_cuda else _extension_backend("cpp")
     if name == "torch":
-        return _Reference()
+        return _REFERENCE
     if name == "cuda":
         if not t.is_cuda:
             raise BackendUnavailable(f"MESA_BACKEND=cuda but the tensor is on {t.device}")
-        return _extension_backend("cuda")
+        return _cuda_backend(True)
     if t.is_cuda:
         raise BackendUnavailable("MESA_BACKEND=cpp but the tensor is on CUDA; use cuda or torch")
     return _extension_backend("cpp")
+
+
+# ---- the runtime self-check of the CUDA kernels -------------------------------------------
+_CHECKED: dict = {}  # (device index, dtype, bits) -> the backend that case uses
+
+
+def kernel_for(be, t: torch.Tensor, dtype: torch.dtype, bits: int):
+    """``be`` (from :func:`get_backend`) for quantizing/restoring ``dtype`` at ``bits`` bits on
+    ``t``'s device: on CUDA the kernel once :func:`self_check` has passed for that case in this
+    process, else (one warning) the reference; other backends as they are."""
+    if be.name != "cuda":
+        return be
+    key = (t.device.index, dtype, bits)
+    got = _CHECKED.get(key)
+    if got is None:
+        got = _CHECKED[key] = _checked(be, t.device, dtype, bits)
+    return got
+
+
+def _checked(be, device, dtype, bits):
+    problem = self_check(be, device, dtype, bits)
+    if problem is None:
+        return be
+    if forced_backend() == "cuda":
+        raise BackendUnavailable(f"MESA_BACKEND=cuda but the CUDA kernel fails its self-check for "
+                                 f"{dtype} at {bits} bits: {problem}")
+    warnings.warn(f"mesa_ops: the CUDA kernel disagrees with the PyTorch reference for {dtype} at "
+                  f"{bits} bits ({problem}); that case uses the reference for the rest of the run",
+                  RuntimeWarning, stacklevel=4)
+    return _REFERENCE
+
+
+def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
+    """Quantize, dequantize and restore through a table a small tensor (odd sizes, three groups,
+    a strided view, an outlier beyond the running range) by the kernels of ``be`` and by the
+    reference on ``device``; returns None when every result is identical, else what differs."""
+    gen = torch.Generator().manual_seed(1234)
+    base = (torch.randn(2, 7, 3 * 40, generator=gen) * 2 + 0.25)
+    base[0, 3, 5] = 40.0  # beyond the running range below: the range rule is exercised
+    full = base.to(device=device, dtype=dtype)
+    problems = []
+    for name, x, g, inner in (("contiguous", full, 3, 40), ("row-strided", full[..., :80], 2, 40)):
+        st = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
+              torch.ones(1, device=device)]
+        st_ref = [s.clone() for s in st]
+        draws, draws_ref = torch.full((1,), 5, dtype=torch.int64), torch.full((1,), 5, dtype=torch.int64)
+        prefix = 0x5EED_1234_ABCD
+        packed, step, shift, _, rows = be.quantize_step(
+            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False)
+        seed = reference.splitmix64(prefix ^ 5) & ((1 << 62) - 1)
+        rrows = reference.range_update(x.contiguous(), g, inner, *st_ref, 0.9, 0.1, reference.UNION,
+                                       bits, True)
+        rpacked = reference.quantize(x.contiguous(), rrows[0], rrows[2], bits, g, inner, seed, True)
+        n = x.numel()
+        deq = be.dequantize(rpacked, rrows[1], rrows[2], bits, g, inner, n, dtype)
+        rdeq = reference.dequantize(rpacked, rrows[1], rrows[2], bits, g, inner, n, dtype)
+        table = reference.levels(rrows[1], rrows[2], bits, dtype)
+        lut = be.lut_apply_out(rpacked, table, bits, g, inner, torch.empty(n, dtype=dtype, device=device))
+        checks = (("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
+                  ("codes", packed, rpacked), ("dequantized values", deq, rdeq),
+                  ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table))
+        problems += [f"{what} ({name} input)" for what, a, b in checks if not torch.equal(a, b)]
+    return ", ".join(problems) or None

@@ -25,21 +25,17 @@ import zlib
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
-from . import reference
+from . import nonfinite, reference
 from .backend import get_backend
 
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 62) - 1
 _BASE = torch.zeros(1, dtype=torch.int64)  # Mesa's stream: seeds differ for each base value
-_WARNED: set = set()  # layer names already warned about non-finite activations
 
 
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+_splitmix64 = reference.splitmix64
 
 
 # the bytes of torch's generator state the fingerprint hashes: the first 64 of get_state() (the
@@ -50,19 +46,25 @@ FINGERPRINT_BYTES = 64
 _HEAD = ctypes.c_char * FINGERPRINT_BYTES
 
 
-def torch_fingerprint() -> int:
-    """A 32-bit fingerprint (CRC-32) of torch's default (CPU) generator state -- of its first
-    :data:`FINGERPRINT_BYTES` bytes -- read without drawing from it."""
+def torch_fingerprint(device: torch.device | None = None) -> int:
+    """A 32-bit fingerprint (CRC-32) of torch's default generator state for ``device`` (None or
+    a CPU device: the CPU generator, its first :data:`FINGERPRINT_BYTES` bytes; a CUDA device:
+    that device's generator, its 16 bytes of seed and offset, read on the host), read without
+    drawing from it."""
+    if device is not None and device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        state = torch.cuda.default_generators[idx].get_state()
+        return zlib.crc32(state.numpy().tobytes())
     state = torch.default_generator.get_state()  # a fresh uint8 CPU tensor
     return zlib.crc32(_HEAD.from_address(state.data_ptr()))
 
 
-def make_seed(salt: int, count: int) -> int:
+def make_seed(salt: int, count: int, device: torch.device | None = None) -> int:
     """The seed of one stochastic rounding: a hash of torch's generator state (so
     ``torch.manual_seed`` fixes it; torch's generator is read, never drawn from, so its stream --
     dropout, drop-path -- is the same with Mesa on or off), Mesa's base, the layer's ``salt``
     and its draw ``count``: ``splitmix64(seed_prefix(salt) ^ count)``, 62 bits."""
-    return _splitmix64(seed_prefix(salt) ^ count) & _SEED_MASK
+    return _splitmix64(seed_prefix(salt, device) ^ count) & _SEED_MASK
 
 
 _SALT_MIX: dict = {}  # salt -> splitmix64(base ^ splitmix64(salt)) under the current base
@@ -77,10 +79,10 @@ def salt_mix(salt: int) -> int:
     return mix
 
 
-def seed_prefix(salt: int) -> int:
+def seed_prefix(salt: int, device: torch.device | None = None) -> int:
     """The part of :func:`make_seed` that does not depend on the draw count (64 bits):
-    ``splitmix64(torch_fingerprint() ^ salt_mix(salt))``."""
-    return _splitmix64(torch_fingerprint() ^ salt_mix(salt))
+    ``splitmix64(torch_fingerprint(device) ^ salt_mix(salt))``."""
+    return _splitmix64(torch_fingerprint(device) ^ salt_mix(salt))
 
 
 def signed64(v: int) -> int:
@@ -99,13 +101,14 @@ def salt_of(name: str) -> int:
     return salt
 
 
-def draw_seed(draws: torch.Tensor, name: str, advance: bool) -> int:
+def draw_seed(draws: torch.Tensor, name: str, advance: bool,
+              device: torch.device | None = None) -> int:
     """The seed of the next stochastic rounding of the quantizer named ``name`` whose (1,) int64
-    CPU draw counter is ``draws`` (advanced by one when ``advance``)."""
+    CPU draw counter is ``draws`` (advanced by one when ``advance``), for a tensor on ``device``."""
     n = int(draws[0])
     if advance:
         draws[0] = n + 1
-    return make_seed(salt_of(name), n)
+    return make_seed(salt_of(name), n, device)
 
 
 def get_rng_state() -> torch.Tensor:
@@ -143,44 +146,39 @@ def _synced_minmax(be, x, groups, inner):
 
 
 def _range_update_impl(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Tensor,
-                 iteration: torch.Tensor, groups: int, inner: int, decay: float, batch_mode: bool,
-                 bits: int, update: bool, nonfinite: str, name: str, sync: bool) -> torch.Tensor:
-    """Running-range update in place; returns (4, G): inv, step, shift, finite (1/0)."""
+                       iteration: torch.Tensor, groups: int, inner: int, decay: float,
+                       range_mode: int, bits: int, update: bool, nonfinite_mode: str, name: str,
+                       sync: bool) -> torch.Tensor:
+    """Running-range update in place; returns (4, G): inv, step, offset, finite (1/0) of the
+    range this batch is quantized with (``range_mode``: reference.EMA / BATCH / UNION)."""
     be = get_backend(x)
     if sync and update and dist_world() > 1:
         mm = _synced_minmax(be, x, groups, inner)
         params = reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
-                                        1.0 - decay, batch_mode, bits, update,
+                                        1.0 - decay, range_mode, bits, update,
                                         minmax=lambda *_: mm)
     else:
         params = be.range_update(x, groups, inner, clip_val, shift, iteration, decay, 1.0 - decay,
-                                 batch_mode, bits, update)
-    if nonfinite == "skip":  # a non-finite group's stored copy dequantizes to NaN (its codes
-        # are 0): the gradient is non-finite, as in exact training, and GradScaler skips the step
+                                 range_mode, bits, update)
+    if nonfinite_mode == "skip":  # a non-finite group's stored copy dequantizes to NaN (its
+        # codes are 0): the gradient is non-finite, as in exact training, and GradScaler skips
         params[2] = torch.where(params[3] > 0, params[2], torch.full_like(params[2], float("nan")))
-    if must_report_nonfinite(nonfinite, name):
-        if not bool(params[3].all()):  # a host sync on CUDA (only until the first warning)
-            _nonfinite(nonfinite, name, tuple(x.shape))
+    report_nonfinite(params[3], None, nonfinite_mode, name, x)
     return params
 
 
-def must_report_nonfinite(mode: str, name: str) -> bool:
-    """Whether a non-finite activation of layer ``name`` must still raise or warn ('raise'
-    always; 'skip' until the layer has warned once)."""
-    return mode == "raise" or name not in _WARNED
-
-
-def _nonfinite(mode: str, name: str, shape) -> None:
-    if mode == "raise":
-        raise FloatingPointError(
-            f"{name}: the activation of shape {shape} holds NaN or Inf; it would poison the "
-            "running range (set nonfinite='skip' to skip the range update on such steps and "
-            "let the gradient become non-finite, as exact training would)")
-    _WARNED.add(name)
-    warnings.warn(f"{name}: the activation holds NaN or Inf (e.g. fp16 overflow); its running "
-                  "range is not updated this step and its stored copy is marked non-finite, so "
-                  "the gradient is non-finite and GradScaler skips the step (warned once)",
-                  RuntimeWarning, stacklevel=2)
+def report_nonfinite(flags: torch.Tensor, finite, mode: str, layer, x: torch.Tensor) -> None:
+    """Report a non-finite activation ``x`` of ``layer`` (a name or a module) by ``mode``: at once
+    where the kernel gave a host flag ``finite`` (the CPU, or a CPU tensor's ``flags``), else
+    deferred on the device flags (no host sync, :mod:`mesa_ops.nonfinite`)."""
+    if finite is None and not (x.is_cuda or x.is_meta or type(flags) is FakeTensor):
+        finite = bool(flags.all())  # (a CPU tensor: no sync)
+    if finite is None:
+        nonfinite.defer(flags, mode, layer, x.shape)
+    elif not finite:
+        name = layer if isinstance(layer, str) else layer.describe()
+        if nonfinite.must_report(mode, name):
+            nonfinite.report(mode, name, x.shape)
 
 
 _range_update_op = torch.library.custom_op("mesa::range_update", _range_update_impl,
@@ -188,8 +186,8 @@ _range_update_op = torch.library.custom_op("mesa::range_update", _range_update_i
 
 
 @_range_update_op.register_fake
-def _(x, clip_val, shift, iteration, groups, inner, decay, batch_mode, bits, update, nonfinite,
-      name, sync):
+def _(x, clip_val, shift, iteration, groups, inner, decay, range_mode, bits, update,
+      nonfinite_mode, name, sync):
     return x.new_empty((4, groups), dtype=torch.float32)
 
 
@@ -199,7 +197,7 @@ def _quantize_impl(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draw
     """Contiguous ``x`` -> packed uint8 codes (ceil(numel * bits / 8),). ``draws`` is the
     quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``); ``name`` (the
     layer's) salts its seed."""
-    seed = draw_seed(draws, name, advance) if stochastic else 0
+    seed = draw_seed(draws, name, advance, x.device) if stochastic else 0
     return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
 
 

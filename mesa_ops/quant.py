@@ -33,9 +33,12 @@ import math
 
 import torch
 
+import weakref
+
 from . import ops
 from .amp import WIDE_DTYPES
-from .backend import get_backend
+from .backend import get_backend, kernel_for
+from .reference import RANGE_MODES
 from .packed import CHANNELS_LAST, QTensor, _memory_view, compiling, in_backward
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
 from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # noqa: F401
@@ -43,6 +46,7 @@ from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # 
 
 _log = logging.getLogger("mesa_ops")
 SUPPORTED_BITS = (8, 4, 2)
+_RANGE_CODE = {m: i for i, m in enumerate(RANGE_MODES)}  # 'ema' 0, 'batch' 1, 'union' 2
 NONFINITE_MODES = ("auto", "raise", "skip")
 GROUP_DIMS = ("last", "channel")
 
@@ -86,6 +90,7 @@ class QuantMixin:
         # stochastic-rounding draws so far (a CPU tensor outside the state dict, resumed from
         # ``iteration`` on load): part of each seed, see ops.make_seed
         self._draws = torch.zeros(1, dtype=torch.int64, device="cpu")
+        self._seen_iteration(self.iteration)
         self.enable = bool(enable)
         self.bits = bits
         self.ema_decay = 0.9
@@ -94,7 +99,7 @@ class QuantMixin:
         self.tag = tag
         self.index = -1
         self.stochastic = True
-        self.range_mode = "ema"
+        self.range_mode = "union"
         self.nonfinite = "auto"
         self.dist_sync = True
         self.layer_name = None
@@ -201,6 +206,7 @@ class QuantMixin:
                                       unexpected_keys, error_msgs)
         if prefix + "iteration" in state_dict:
             self._draws[0] = int(float(self.iteration.reshape(-1)[0]))
+            self._seen_iteration(self.iteration)
 
     # ---- the quantization path ------------------------------------------------------------
     def _state_fp32(self) -> None:
@@ -272,19 +278,19 @@ class QuantMixin:
 
     def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         # runs once per stored activation: kept to few Python operations
-        range_mode = self.range_mode
-        if range_mode != "ema" and range_mode != "batch":
-            raise ValueError(f"{self.describe()}: range_mode must be 'ema' or 'batch', "
-                             f"got {range_mode!r}")
+        range_code = _RANGE_CODE.get(self.range_mode)
+        if range_code is None:
+            raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
+                             f"got {self.range_mode!r}")
         mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         bits = self._bits
         # in an activation-checkpoint recomputation the running estimates were already updated
         # by this step's forward: quantize with them, do not update them twice
         update = not in_backward()
-        be = None if compiling() else get_backend(x)
-        # eager CPU: range update + quantize in one kernel call, which reads a row-strided x (q,
-        # k, v of a fused qkv projection) in place
+        be = None if compiling() else kernel_for(get_backend(x), x, x.dtype, bits)
+        # eager: range update + quantize in one kernel call (CPU or CUDA), which reads a
+        # row-strided x (q, k, v of a fused qkv projection) in place
         fused = getattr(be, "has_quantize_step", False) and not (
             self.dist_sync and update and ops.dist_world() > 1)
         if fused:
@@ -296,14 +302,13 @@ class QuantMixin:
             stochastic = bool(self.stochastic)
             # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
             mix = ops.signed64(ops.salt_mix(self._salt())) if stochastic else 0
-            packed, step, sh, finite, _ = be.quantize_step(
-                xs, g, inner, clip, shift, it, d, 1.0 - d, range_mode == "batch", bits, update,
-                mix, self._draws, stochastic, mode == "skip", stochastic,
+            packed, step, sh, finite, rows = be.quantize_step(
+                xs, g, inner, clip, shift, it, d, 1.0 - d, range_code, bits, update,
+                mix, self._draws_for(it), stochastic, mode == "skip", stochastic,
                 *(() if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))))
-            if not finite:
-                name = self.describe()
-                if ops.must_report_nonfinite(mode, name):
-                    ops._nonfinite(mode, name, tuple(xs.shape))
+            self._seen_iteration(it)
+            if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
+                ops.report_nonfinite(rows[3], finite, mode, self, xs)
             return QTensor(packed, step, sh, x.shape, x.dtype if norm is None else torch.float32,
                            bits, g, inner, transposed)
         if norm is not None:
@@ -311,14 +316,37 @@ class QuantMixin:
         name = self.describe()
         xs, transposed, g, inner = self._layout(x.detach(), copy=True)
         clip, shift, it = self._state()
-        params = ops.range_update(xs, clip, shift, it, g, inner, d, range_mode == "batch", bits,
+        draws = self._draws if compiling() else self._draws_for(it)
+        params = ops.range_update(xs, clip, shift, it, g, inner, d, range_code, bits,
                                   update, mode, name, bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
-        packed = ops.quantize(xs, inv, sh, self._draws, name, bits, g, inner,
+        packed = ops.quantize(xs, inv, sh, draws, name, bits, g, inner,
                               bool(self.stochastic), update)
+        if not compiling():
+            self._seen_iteration(it)
         return QTensor(packed, step, sh, x.shape, x.dtype, bits, g, inner, transposed)
 
+    # ---- the draw counter follows the iteration buffer -----------------------------------
+    def _seen_iteration(self, it: torch.Tensor) -> None:
+        """Record ``iteration`` as this quantizer last left it (the tensor and its version)."""
+        self.__dict__["_it_seen"] = (weakref.ref(it), it._version)
 
+    def _draws_for(self, it: torch.Tensor) -> torch.Tensor:
+        """The (1,) int64 CPU draw counter, first re-read from ``iteration`` when that buffer
+        was changed by anyone but this quantizer since it last used it (an in-place load such
+        as torch.distributed.checkpoint's, a user's copy_, a buffer replaced): so the rounding
+        stream resumes however the state is restored. One host read then; none otherwise."""
+        seen = self.__dict__.get("_it_seen")
+        if seen is None or seen[0]() is not it or seen[1] != it._version:
+            self._draws[0] = int(float(it.reshape(-1)[0]))
+        return self._draws
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() copy the buffers: the counter stays valid for the copies
+        out = super()._apply(fn, recurse)
+        if "iteration" in self._buffers:
+            self._seen_iteration(self._buffers["iteration"])
+        return out
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -391,8 +419,8 @@ def _decay(v):
 
 def _range_mode(v):
     s = str(v).strip().strip("'\"")
-    if s not in ("ema", "batch"):
-        raise ValueError(f"expected 'ema' or 'batch', got {v!r}")
+    if s not in RANGE_MODES:
+        raise ValueError(f"expected one of {', '.join(RANGE_MODES)}, got {v!r}")
     return s
 
 

@@ -17,6 +17,15 @@ _GOLDEN = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
 
 
+def splitmix64(z: int) -> int:
+    """SplitMix64's finalizer on a Python int (the seed hash of quant_api.h / ops.make_seed)."""
+    m = (1 << 64) - 1
+    z = (z + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """The 32-bit integer hash of quant_math.h on int64 tensors holding values in [0, 2^32)."""
     x = x ^ (x >> 16)
@@ -52,15 +61,20 @@ def group_minmax(x: torch.Tensor, groups: int, inner: int) -> torch.Tensor:
 
 
 RANGE_EPS = 1e-8
+# range modes, in the order of cuda/quant_math.h's kRangeEma / kRangeBatch / kRangeUnion
+RANGE_MODES = ("ema", "batch", "union")
+EMA, BATCH, UNION = 0, 1, 2
 
 
 def range_update(x: torch.Tensor, groups: int, inner: int, clip_val: torch.Tensor,
                  shift: torch.Tensor, iteration: torch.Tensor, decay: float, one_minus_decay: float,
-                 batch_mode: bool, bits: int, update: bool = True, minmax=None) -> torch.Tensor:
+                 range_mode: int, bits: int, update: bool = True, minmax=None) -> torch.Tensor:
     """Running-range update of (clip_val, shift, iteration) in place from the batch's per-group
-    min/max (first step or ``batch_mode``: the batch's; else EMA), and the scales to quantize
-    with: a (4, G) float32 tensor of rows inv = L / r, step = r / L (r = max(clip_val, 1e-8)),
-    shift, finite (1/0). State is left unchanged when any group holds NaN/Inf or ``update`` is
+    min/max (first step or ``range_mode`` BATCH: the batch's; else EMA), and the scales to
+    quantize this batch with: a (4, G) float32 tensor of rows inv = L / r, step = r / L
+    (r = max(range, 1e-8)), offset, finite (1/0). The range is the running one (EMA, BATCH) or,
+    under UNION, its union with the batch's [min, max], so that no value is clamped. State is left
+    unchanged when any group holds NaN/Inf (or a range that overflows float32) or ``update`` is
     False (activation-checkpoint recomputation). No host sync."""
     mm = (minmax or group_minmax)(x, groups, inner)
     lo, hi = mm[0], mm[1]
@@ -68,16 +82,21 @@ def range_update(x: torch.Tensor, groups: int, inner: int, clip_val: torch.Tenso
     ok = finite.all() & update
     rng = hi - lo
     take = iteration.reshape(()) == 0
-    if batch_mode:
+    if range_mode == BATCH:
         take = torch.ones_like(take)
     new_clip = torch.where(take, rng, clip_val * decay + rng * one_minus_decay)
     new_shift = torch.where(take, lo, shift * decay + lo * one_minus_decay)
     clip_val.copy_(torch.where(ok, new_clip, clip_val))
     shift.copy_(torch.where(ok, new_shift, shift))
     iteration.add_(ok.to(iteration.dtype))
-    r = clip_val.clamp_min(RANGE_EPS)
+    qlo, qrange = shift.clone(), clip_val.clone()
+    if range_mode == UNION:  # (NaN lo/hi compare False: a non-finite group keeps the state's)
+        top = shift + clip_val
+        qlo = torch.where(lo < shift, lo, shift)
+        qrange = torch.where(hi > top, hi, top) - qlo
+    r = qrange.clamp_min(RANGE_EPS)
     levels = torch.full_like(r, float((1 << bits) - 1))
-    return torch.stack([levels / r, r / levels, shift.clone(), finite.to(torch.float32)])
+    return torch.stack([levels / r, r / levels, qlo, finite.to(torch.float32)])
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,231 @@
+"""The CUDA kernels of cuda/quant_cuda.cu, run on the CPU, against the CPU kernels bit for bit.
+
+``quant_cuda.cu`` also compiles for the host (``cuda/quant_cuda_emu.cpp`` with
+``cuda/cuda_emulation.h``: a launch runs the grid block by block and each block's threads as
+fibers, ``__syncthreads`` a real barrier among them), so these tests run the very kernels a GPU
+runs -- their indexing, reductions, last-block finalize, packing, range rule and seeds -- on the
+CPU kernels' own cases: fp32/fp16/bf16/fp64, bits 8/4/2 (and the 1-bit mask), odd sizes, group
+layouts, row-strided q/k/v, LayerNorm rows, non-finite and overflowing groups, every range mode,
+and the kernels' 64-bit-index variants. The emulated build takes ~2 minutes the first time.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mesa_ops import backend, ops, reference
+
+ALL_BITS = (8, 4, 2, 1)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# (numel, G, inner), as tests/test_kernels.py: the tensor is viewed as (numel // (G*inner), G, inner)
+LAYOUTS = {
+    "one-element": (1, 1, 1),
+    "n<8": (7, 1, 7),
+    "n=13,odd": (13, 1, 13),
+    "inner=1,G=3": (9, 3, 1),
+    "G=C,inner=1": (6 * 40, 40, 1),
+    "tile+1": (4097, 1, 4097),
+    "G=3,groups-cross-tiles": (2 * 3 * 1367, 3, 1367),
+    "BCHW,G=C": (2 * 6 * 5 * 7, 6, 35),
+}
+MODES = (reference.EMA, reference.BATCH, reference.UNION)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    m = backend.build_extension("emu")
+    assert m.emulated
+    return m
+
+
+@pytest.fixture(scope="module")
+def cpu(cpp_backend):
+    return backend._cpu_extension()
+
+
+@pytest.fixture(params=[False, True], ids=["index32", "index64"])
+def index64(request, emu):
+    emu.set_index64(request.param)
+    yield request.param
+    emu.set_index64(False)
+
+
+def _input(numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(numel, generator=g) * 3 + 0.5).to(dtype)
+
+
+def _params(x, groups, inner, bits):
+    """(inv, step, shift) covering the middle 80% of each group's range (values clamp at both ends)."""
+    if bits == 1:
+        one, zero = torch.ones(groups), torch.zeros(groups)
+        return one, one.clone(), zero
+    mm = reference.group_minmax(x, groups, inner)
+    rng = (mm[1] - mm[0]).clamp_min(1e-8)
+    lo = (mm[0] + 0.1 * rng).contiguous()
+    rng = (0.8 * rng).clamp_min(1e-8)
+    levels = float((1 << bits) - 1)
+    return (levels / rng).contiguous(), (rng / levels).contiguous(), lo
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_quantize_dequantize_minmax_equal_cpu(emu, cpu, index64, dtype, layout):
+    n, g, inner = LAYOUTS[layout]
+    x = _input(n, dtype)
+    assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(x, g, inner))
+    for bits in ALL_BITS:
+        inv, step, shift = _params(x, g, inner, bits)
+        for stochastic in (True, False):
+            p = cpu.quantize_cpu(x, inv, shift, bits, g, inner, 0x1234_5678_9ABC, stochastic)
+            pe = emu.quantize_cuda(x, inv, shift, bits, g, inner, 0x1234_5678_9ABC, stochastic)
+            assert torch.equal(pe, p), f"{bits}-bit stochastic={stochastic}"
+        for out_dtype in (dtype, torch.float32):
+            d = cpu.dequantize_cpu(p, step, shift, bits, g, inner, n, out_dtype)
+            assert torch.equal(emu.dequantize_cuda(p, step, shift, bits, g, inner, n, out_dtype), d)
+            out = torch.empty(n, dtype=out_dtype)
+            assert emu.dequantize_out_cuda(p, step, shift, bits, g, inner, out) is not None
+            assert torch.equal(out, d)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16, torch.float64))
+def test_levels_and_table_restore_equal_cpu(emu, cpu, index64, dtype, bits):
+    g, inner, outer = 3, 7, 11
+    n = outer * g * inner
+    x = _input(n, torch.float32, seed=bits)
+    inv, step, shift = _params(x, g, inner, bits)
+    packed = cpu.quantize_cpu(x, inv, shift, bits, g, inner, 5, True)
+    levels = cpu.levels_cpu(step, shift, bits, dtype)
+    assert torch.equal(emu.levels_cuda(step, shift, bits, dtype), levels)
+    table = torch.nn.functional.gelu(levels.float()).to(dtype)
+    mul = _input(n, dtype, seed=9)
+    for m in (None, mul):
+        want = cpu.lut_apply_out_cpu(packed, table, bits, g, inner, torch.empty(n, dtype=dtype), m)
+        got = emu.lut_apply_out_cuda(packed, table, bits, g, inner, torch.empty(n, dtype=dtype), m)
+        assert torch.equal(got, want)
+
+
+def _strided_cases():
+    qkv = torch.randn(3, 37, 3 * 48) * 2
+    return {"q-of-qkv": (qkv[..., :48], 1, 48), "k-of-qkv,G=4": (qkv[..., 48:96], 4, 12),
+            "transposed": (torch.randn(40, 24).t(), 1, 40),
+            "not-collapsible": (torch.randn(4, 9, 50)[:, :5, :30], 3, 10)}
+
+
+@pytest.mark.parametrize("case", list(_strided_cases()))
+def test_strided_inputs_read_as_their_contiguous_copies(emu, cpu, index64, case):
+    x, g, inner = _strided_cases()[case]
+    xc = x.contiguous()
+    assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(xc, g, inner))
+    for bits in (8, 4, 2):
+        inv, _, sh = _params(xc, g, inner, bits)
+        for stochastic in (True, False):
+            assert torch.equal(emu.quantize_cuda(x, inv, sh, bits, g, inner, 77, stochastic),
+                               cpu.quantize_cpu(xc, inv, sh, bits, g, inner, 77, stochastic))
+
+
+def _state(g, it=0.0):
+    return [torch.full((g,), 2.0), torch.full((g,), -1.0), torch.full((1,), float(it))]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=reference.RANGE_MODES)
+@pytest.mark.parametrize("layout", ["inner=1,G=3", "G=3,groups-cross-tiles", "G=C,inner=1"])
+def test_range_update_equals_cpu_over_steps(emu, cpu, index64, layout, mode):
+    """Several steps of the running-range update (first step, EMA, a batch beyond the range, a
+    recomputation that must not move the state): identical rows and state."""
+    n, g, inner = LAYOUTS[layout]
+    sc, se = _state(g), _state(g)
+    for step, (scale, update) in enumerate(((1.0, True), (2.5, True), (0.5, True), (3.0, False))):
+        x = _input(n, torch.float32, seed=step) * scale
+        a = cpu.range_update_cpu(x, g, inner, *sc, 0.9, 1.0 - 0.9, mode, 8, update)
+        b = emu.range_update_cuda(x, g, inner, *se, 0.9, 1.0 - 0.9, mode, 8, update)
+        assert torch.equal(b, a), step
+        for s1, s2 in zip(sc, se):
+            assert torch.equal(s2, s1), step
+
+
+def test_nonfinite_and_overflowing_groups_are_flagged(emu, cpu):
+    x = torch.randn(2, 4, 100)
+    x[0, 1, 3] = float("nan")
+    x[1, 2, 5] = float("inf")
+    x[0, 3, 0], x[1, 3, 7] = 3e38, -3e38  # a finite group whose range overflows float32
+    x = x.reshape(-1)
+    for mm in (emu.group_minmax_cuda(x, 4, 100), cpu.group_minmax_cpu(x, 4, 100)):
+        assert torch.isnan(mm[:, 1:]).all() and torch.isfinite(mm[:, 0]).all()
+    sc, se = _state(4, it=3), _state(4, it=3)
+    a = cpu.range_update_cpu(x, 4, 100, *sc, 0.9, 0.1, reference.UNION, 8, True)
+    b = emu.range_update_cuda(x, 4, 100, *se, 0.9, 0.1, reference.UNION, 8, True)
+    assert torch.equal(a, b) and a[3].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert all(torch.equal(s1, s2) for s1, s2 in zip(sc, se)) and float(se[2]) == 3.0  # unchanged
+
+
+@pytest.mark.parametrize("mode", MODES, ids=reference.RANGE_MODES)
+@pytest.mark.parametrize("layout", ["q-of-qkv", "contiguous", "fp16"])
+def test_quantize_step_equals_cpu(emu, cpu, index64, layout, mode):
+    """The fused step (range update + codes, seeded from the draw counter): same codes, rows,
+    state and counter as the CPU kernel, with an explicit prefix and with prefix_of_mix (the
+    emulated device's generator is the CPU's); a NaN group is marked; nothing is flagged on
+    the host (None)."""
+    qkv = torch.randn(2, 29, 3 * 32)
+    x = {"q-of-qkv": qkv[..., :32], "contiguous": torch.randn(2, 29, 32),
+         "fp16": torch.randn(2, 29, 32).half()}[layout]
+    g, inner = 4, 8
+    sc, se = _state(g), _state(g)
+    dc, de = torch.tensor([5]), torch.tensor([5])
+    for step in range(3):
+        for of_mix, prefix in ((False, ops.signed64(ops.seed_prefix(7))),
+                               (True, ops.signed64(ops.salt_mix(7)))):
+            for bits in (8, 4, 2):
+                a = cpu.quantize_step_cpu(x, g, inner, *sc, 0.9, 0.1, mode, bits, True, prefix, dc,
+                                          True, True, of_mix)
+                b = emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, mode, bits, True, prefix, de,
+                                           True, True, of_mix)
+                assert b[3] is None and a[3] is True
+                for i in (0, 1, 2, 4):
+                    assert torch.equal(b[i], a[i]), (step, of_mix, bits, i)
+                assert all(torch.equal(s1, s2) for s1, s2 in zip(sc, se)) and torch.equal(dc, de)
+        x = x * 1.7
+    bad = x.contiguous().clone()
+    bad[0, 0, 9] = float("nan")  # group 1
+    a = cpu.quantize_step_cpu(bad, g, inner, *sc, 0.9, 0.1, mode, 8, True, 1, dc, True, True)
+    b = emu.quantize_step_cuda(bad, g, inner, *se, 0.9, 0.1, mode, 8, True, 1, de, True, True)
+    assert b[4][3].tolist() == [1.0, 0.0, 1.0, 1.0] and torch.isnan(b[2][1])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[4][:, [0, 2, 3]], b[4][:, [0, 2, 3]])
+    # a recomputation (update=False) moves neither the state nor the counter
+    before = [t.clone() for t in se] + [de.clone()]
+    emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, mode, 8, False, 1, de, True, True)
+    assert all(torch.equal(p, q) for p, q in zip(before, se + [de]))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("layout", ("strided", "contiguous"))
+def test_quantize_step_normalizes_rows_as_cpu(emu, cpu, index64, dtype, layout):
+    base = torch.randn(3, 23, 2 * 36, dtype=dtype) * 3 + 5
+    x = base[..., :36] if layout == "strided" else base[..., :36].contiguous()
+    var, mean = torch.var_mean(x.float(), dim=-1, correction=0, keepdim=True)
+    rstd = torch.rsqrt(var + 1e-5)
+    norm = (mean.reshape(-1), rstd.reshape(-1))
+    for g, inner in ((1, 36), (3, 12)):
+        for bits in (8, 4, 2):
+            sc, se = _state(g), _state(g)
+            a = cpu.quantize_step_cpu(x, g, inner, *sc, 0.9, 0.1, reference.UNION, bits, True, 99,
+                                      torch.tensor([3]), True, False, False, *norm)
+            b = emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, reference.UNION, bits, True, 99,
+                                       torch.tensor([3]), True, False, False, *norm)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[4], b[4]), (g, bits)
+            assert all(torch.equal(s1, s2) for s1, s2 in zip(sc, se))
+    with pytest.raises(RuntimeError, match="whole number of groups"):
+        emu.quantize_step_cuda(x, 3, 12, torch.ones(3), torch.zeros(3), torch.zeros(1), 0.9, 0.1,
+                               0, 8, True, 1, torch.zeros(1, dtype=torch.int64), True, False, False,
+                               torch.zeros(3 * 23 * 2), torch.ones(3 * 23 * 2))
+
+
+def test_emulated_ops_check_their_arguments(emu):
+    """The emulated ops check their arguments as the CPU ones do."""
+    x = torch.randn(16)
+    with pytest.raises(RuntimeError, match="bits must be"):
+        emu.quantize_cuda(x, torch.ones(1), torch.zeros(1), 3, 1, 16, 0, True)
+    with pytest.raises(RuntimeError, match="range_mode must be"):
+        emu.range_update_cuda(x, 1, 16, torch.ones(1), torch.zeros(1), torch.zeros(1), 0.9, 0.1,
+                              5, 8, True)
