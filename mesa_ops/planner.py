@@ -27,7 +27,8 @@ What is measured and what is estimated (read before trusting a plan):
   packed checkpoint: its block input). This is *not* the gradient error; the objective sums the
   squared proxies over units (independent rounding noise adds in variance). Exact checkpointing
   has no error. After planning, :func:`verify` measures the saved bytes of the planned model and
-  its relative gradient error against exact training on the probe batch.
+  its gradient error (one step), bias and noise against exact training on the probe batch
+  (:func:`mesa_ops.fidelity.grad_fidelity`).
 * **Time** (estimated from measurements): quantization costs ``alpha`` seconds per element kept,
   ``alpha`` = (step time with every unit at 8 bits - exact step time) / elements, from the probe;
   checkpointing a block costs its measured forward time (recomputation).
@@ -41,6 +42,7 @@ reachable size and the bytes no option can reduce.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -547,10 +549,16 @@ def apply_plan(model: nn.Module, path: str) -> dict:
     return ckpt
 
 
-def verify(model: nn.Module, plan: Plan, x: torch.Tensor, grad_error: bool = True) -> dict:
+def verify(model: nn.Module, plan: Plan, x: torch.Tensor, grad_error: bool = True,
+           draws: int = 4) -> dict:
     """Measure the planned configuration on ``x``: saved bytes (audit; scaled to the plan's batch
-    when ``x`` is smaller) and, with ``grad_error``, the relative L2 error of all parameter
-    gradients against exact training (same batch; loss: sum of squared outputs)."""
+    when ``x`` is smaller) and, with ``grad_error``, its gradient against exact training (same
+    batch; loss: sum of squared outputs) over ``draws`` stochastic-rounding draws
+    (:func:`mesa_ops.fidelity.grad_fidelity`, every parameter): ``grad_rel_error`` the relative
+    L2 error of one step's gradient, ``grad_bias`` (+- ``grad_bias_se``) the part of it that
+    averaging over steps does not remove, ``grad_noise`` the part it does."""
+    from .fidelity import grad_fidelity
+
     _set(model, plan.layer_bits)
     checkpoint_blocks(model, plan.ckpt)
     rep = audit(model, x, verbose=False)
@@ -558,15 +566,20 @@ def verify(model: nn.Module, plan: Plan, x: torch.Tensor, grad_error: bool = Tru
     out = {"saved_bytes": int(rep.total_bytes * scale), "measured_batch": int(x.shape[0]),
            "scaled": scale != 1}
     if grad_error:
-        g = _grads(model, x)
-        _set(model, {})
-        checkpoint_blocks(model, {n: None for n in plan.ckpt})
-        g0 = _grads(model, x)
-        _set(model, plan.layer_bits)
-        checkpoint_blocks(model, plan.ckpt)
-        num = sum(float((g[k] - g0[k]).square().sum()) for k in g0)
-        den = sum(float(g0[k].square().sum()) for k in g0)
-        out["grad_rel_error"] = math.sqrt(num / max(den, 1e-30))
+        @contextlib.contextmanager
+        def exact(m):
+            _set(m, {})
+            checkpoint_blocks(m, {n: None for n in plan.ckpt})
+            try:
+                yield m
+            finally:
+                _set(m, plan.layer_bits)
+                checkpoint_blocks(m, plan.ckpt)
+
+        fid = grad_fidelity(model, x, None, draws=draws, ks=[1, draws], exact=exact,
+                            check_enabled=False)["groups"]["all"]
+        out.update(grad_rel_error=fid["single"], grad_bias=fid["bias"], grad_bias_se=fid["bias_se"],
+                   grad_noise=fid["noise"], grad_draws=draws)
     plan.measured = out
     return out
 
@@ -602,6 +615,8 @@ def summary(plan: Plan, prof: Profile, header: str = "") -> str:
                      + (f" (at batch {m['measured_batch']}, "
                         f"scaled x{plan.batch_size / m['measured_batch']:g})"
                         if m.get("scaled") else "")
-                     + (f", relative gradient error vs exact {m['grad_rel_error']:.4f}"
+                     + (f", relative gradient error vs exact {m['grad_rel_error']:.4f} per step"
+                        f" (bias {m['grad_bias']:.4f} +- {m['grad_bias_se']:.4f}, noise "
+                        f"{m['grad_noise']:.4f}; {m['grad_draws']} draws)"
                         if "grad_rel_error" in m else ""))
     return "\n".join(lines)
