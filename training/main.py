@@ -26,7 +26,7 @@ from .distributed import all_gather_object, barrier, cleanup, get_rank, init_dis
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
 from .logs import JsonLog, TensorBoard, log, save_args
 
-__all__ = ["UsageError", "build_model", "main", "resolve_args"]
+__all__ = ["UsageError", "build_model", "build_optimizer", "main", "resolve_args"]
 
 
 class UsageError(ValueError):
@@ -86,6 +86,22 @@ def build_model(args, num_classes: int):
     if hasattr(ms, "set_dist_sync"):
         ms.set_dist_sync(model, not args.no_mesa_dist_sync)
     return model
+
+
+def build_optimizer(args, model, updates_per_epoch: int):
+    """(optimizer, lr scheduler) of ``args`` (``--opt``, ``--lr`` as already scaled, ``--sched``
+    ...) for ``model``; the scheduler steps per update with ``--sched-on-updates``."""
+    optimizer = create_optimizer_v2(model, opt=args.opt, lr=args.lr,
+                                    weight_decay=args.weight_decay, momentum=args.momentum, eps=args.opt_eps,
+                                    **({"betas": tuple(args.opt_betas)} if args.opt_betas else {}))
+    lr_scheduler, _ = create_scheduler_v2(
+        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
+        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs,
+        decay_rate=args.decay_rate,
+        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
+        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed,
+        step_on_epochs=not args.sched_on_updates, updates_per_epoch=updates_per_epoch)
+    return optimizer, lr_scheduler
 
 
 def _seed(seed: int) -> None:
@@ -161,17 +177,8 @@ def _run(args, dist_info) -> dict:
     base_lr = args.lr
     if not args.unscale_lr:
         args.lr = base_lr * global_batch / 512.0
-    optimizer = create_optimizer_v2(model_without_ddp, opt=args.opt, lr=args.lr,
-                                    weight_decay=args.weight_decay, momentum=args.momentum, eps=args.opt_eps,
-                                    **({"betas": tuple(args.opt_betas)} if args.opt_betas else {}))
+    optimizer, lr_scheduler = build_optimizer(args, model_without_ddp, len(loader_train))
     loss_scaler = make_scaler(args.amp, device)
-    lr_scheduler, _ = create_scheduler_v2(
-        optimizer, sched=args.sched, num_epochs=args.epochs, decay_epochs=args.decay_epochs,
-        cooldown_epochs=args.cooldown_epochs, patience_epochs=args.patience_epochs,
-        decay_rate=args.decay_rate,
-        min_lr=args.min_lr, warmup_lr=args.warmup_lr, warmup_epochs=args.warmup_epochs, noise=args.lr_noise,
-        noise_pct=args.lr_noise_pct, noise_std=args.lr_noise_std, noise_seed=args.seed,
-        step_on_epochs=not args.sched_on_updates, updates_per_epoch=len(loader_train))
 
     mixup_fn = None
     if args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None:

@@ -1,0 +1,229 @@
+"""Accuracy benchmark: the demo model on DIGITS, k-fold cross-validation x seeds, exact and Mesa
+at 8 / 4 / 2 bits, paired by fold and seed.
+
+    res = crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds=5, epochs=30)
+    print(format_results(res))
+
+All 1797 DIGITS images (scikit-learn's 8x8 digits, upscaled to 32 px as
+:class:`data.DigitsDataset`, normalized; no augmentation, as ``scripts/demo.sh``) are split into
+``folds`` stratified folds, reshuffled per seed (``StratifiedKFold(shuffle=True,
+random_state=seed)``): for each seed every image is validated exactly once. Each (seed, fold)
+trains the demo model (:mod:`models.demo`) with the demo's recipe (:data:`DEMO_TRAIN_ARGS`,
+``tools/train.py``'s parser and ``training.engine.train_one_epoch``) once per mode, from the same
+initial weights and the same batch order (``torch.manual_seed(seed)``, the sampler's seed), so
+the modes differ only in what Mesa does. Per mode: the mean top-1 over seeds of the
+cross-validated accuracy (all images), and against the first mode the paired difference of
+fold accuracies, mean +- its standard error over the ``seeds x folds`` pairs.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import models
+from data import DigitsDataset
+from data.transforms import build_transform
+
+from .args import get_args_parser
+from .engine import train_one_epoch
+from .main import _seed, build_model, build_optimizer, resolve_args
+
+__all__ = ["DEMO_TRAIN_ARGS", "MODES", "digits_all", "fold_splits", "train_fold", "crossval",
+           "summarize", "format_results", "plot"]
+
+MODES = {"exact": None, "mesa8": 8, "mesa4": 4, "mesa2": 2}
+_D = models.demo
+# scripts/demo.sh's tools/train.py arguments (without --epochs, --seed, --output-dir)
+DEMO_TRAIN_ARGS = ["--model", _D.DEMO_MODEL, "--model-kwargs",
+                   *[f"{k}={v}" for k, v in _D.DEMO_KWARGS.items()],
+                   "--data-set", "DIGITS", "--input-size", str(_D.DEMO_INPUT_SIZE), "--batch-size", "32",
+                   "--unscale-lr", "--lr", "3e-3", "--warmup-epochs", "3", "--clip-grad", "1.0",
+                   "--sched-on-updates", "--min-lr", "1e-5", "--aa", "none", "--color-jitter", "0",
+                   "--reprob", "0", "--mixup", "0", "--cutmix", "0", "--drop-path", "0",
+                   "--no-model-ema", "--num-workers", "0", "--device", "cpu", "--no-tensorboard"]
+
+
+def digits_all(image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1797 DIGITS images (N, 3, S, S) float32, normalized as the demo's evaluation, and
+    their labels (N,) int64 (the demo's 1497 training images, then its 300 validation ones)."""
+    args = get_args_parser().parse_args(["--input-size", str(image_size)])
+    t = build_transform(False, args)
+    xs, ys = [], []
+    for train in (True, False):
+        ds = DigitsDataset(train=train, image_size=image_size, transform=t)
+        xs += [ds[i][0] for i in range(len(ds))]
+        ys += ds.targets
+    return torch.stack(xs), torch.tensor(ys, dtype=torch.int64)
+
+
+def fold_splits(labels: torch.Tensor, folds: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train indices, validation indices) of each fold: stratified, shuffled by ``seed``; the
+    validation folds partition all indices."""
+    from sklearn.model_selection import StratifiedKFold
+
+    if folds < 2:
+        raise ValueError(f"crossval: folds must be >= 2, got {folds}")
+    y = labels.numpy()
+    skf = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
+    return list(skf.split(np.zeros(len(y)), y))
+
+
+def _train_args(bits: int | None, seed: int, epochs: int, extra=()) -> object:
+    argv = DEMO_TRAIN_ARGS + ["--epochs", str(epochs), "--seed", str(seed)] + list(extra)
+    if bits:
+        argv += ["--mesa-bits", str(bits)]
+    return resolve_args(get_args_parser().parse_args(argv))
+
+
+def train_fold(x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, bits: int | None, seed: int,
+               epochs: int, log_path: str | None = None, extra_args=()) -> dict:
+    """Train the demo model on ``x[train_idx]`` (exact, or Mesa at ``bits`` on fc, matmul, gelu,
+    layernorm, softmax, attention: ``--mesa-bits``) and validate on ``x[val_idx]``. The progress
+    lines of ``train_one_epoch`` go to ``log_path`` (None: discarded). Returns ``correct``
+    (validation images right, int), ``n``, ``acc1`` (%), ``saved_mib`` (saved activations of a
+    training step), ``step_ms`` (last epoch's mean), ``seconds``."""
+    args = _train_args(bits, seed, epochs, extra_args)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    _seed(seed)  # same init for every mode
+    model = build_model(args, models.demo.DEMO_NUM_CLASSES).to(device)
+    train_set = torch.utils.data.TensorDataset(x[train_idx], y[train_idx])
+    sampler = torch.utils.data.DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True,
+                                                  seed=seed)
+    loader = torch.utils.data.DataLoader(train_set, sampler=sampler, batch_size=args.batch_size,
+                                         drop_last=True)
+    optimizer, sched = build_optimizer(args, model, len(loader))
+    criterion = torch.nn.CrossEntropyLoss()
+    from .engine import make_scaler
+
+    scaler = make_scaler(args.amp, device)
+    with open(log_path or os.devnull, "w", encoding="utf-8") as f, contextlib.redirect_stdout(f):
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            stats = train_one_epoch(model, criterion, loader, optimizer, device, epoch, scaler, args.amp,
+                                    max_norm=args.clip_grad, print_freq=10 ** 9,
+                                    global_step=epoch * len(loader),
+                                    lr_scheduler=sched if args.sched_on_updates else None)
+            sched.step(epoch + 1)
+    model.eval()
+    with torch.no_grad():
+        xv, yv = x[val_idx].to(device), y[val_idx].to(device)
+        pred = torch.cat([model(c).argmax(-1) for c in xv.split(256)])
+    correct = int((pred == yv).sum())
+    return {"correct": correct, "n": len(val_idx), "acc1": 100.0 * correct / len(val_idx),
+            "saved_mib": float(stats["saved_act_mib"]), "step_ms": float(stats["step_ms"]),
+            "seconds": time.perf_counter() - t0}
+
+
+def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: int = 5,
+             epochs: int = 30, out_dir: str | None = None, resume: bool = False, progress=print,
+             extra_args=()) -> dict:
+    """Run every (seed, fold, mode); returns {``modes``, ``seeds``, ``folds``, ``epochs``,
+    ``n_images``, ``runs``: [{mode, seed, fold, correct, n, acc1, saved_mib, step_ms, seconds}]}.
+    With ``out_dir`` each run is written to ``out_dir/runs/<mode>_s<seed>_f<fold>.json`` (its
+    log next to it); ``resume``: runs found there are read instead of trained."""
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"crossval: unknown mode {m!r}; expected one of {', '.join(MODES)}")
+    x, y = digits_all(models.demo.DEMO_INPUT_SIZE)
+    runs = []
+    run_dir = os.path.join(out_dir, "runs") if out_dir else None
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+    for seed in seeds:
+        for fold, (tr, va) in enumerate(fold_splits(y, folds, seed)):
+            for mode in modes:
+                stem = os.path.join(run_dir, f"{mode}_s{seed}_f{fold}") if run_dir else None
+                if resume and stem and os.path.isfile(stem + ".json"):
+                    with open(stem + ".json", encoding="utf-8") as f:
+                        r = json.load(f)
+                else:
+                    r = train_fold(x, y, tr, va, MODES[mode], seed, epochs,
+                                   log_path=stem + ".log" if stem else None, extra_args=extra_args)
+                    r.update(mode=mode, seed=seed, fold=fold)
+                    if stem:
+                        with open(stem + ".json", "w", encoding="utf-8") as f:
+                            json.dump(r, f)
+                runs.append(r)
+                if progress:
+                    progress(f"{mode:>6} seed {seed} fold {fold}: {r['acc1']:.2f}% "
+                             f"({r['correct']}/{r['n']}), {r['seconds']:.0f} s")
+    return {"modes": list(modes), "seeds": list(seeds), "folds": folds, "epochs": epochs,
+            "n_images": int(len(y)), "runs": runs}
+
+
+def summarize(res: dict) -> list[dict]:
+    """Per mode: ``acc`` mean top-1 (%) over seeds of the cross-validated accuracy, ``acc_sd``
+    its sd over seeds, ``diff`` / ``diff_se`` the paired difference to the first mode (points,
+    mean +- standard error over the seed x fold pairs), ``pairs``, ``saved_mib``, ``step_ms``."""
+    by = {(r["mode"], r["seed"], r["fold"]): r for r in res["runs"]}
+    base = res["modes"][0]
+    rows = []
+    for m in res["modes"]:
+        per_seed = []
+        for s in res["seeds"]:
+            rs = [by[(m, s, f)] for f in range(res["folds"])]
+            per_seed.append(100.0 * sum(r["correct"] for r in rs) / sum(r["n"] for r in rs))
+        d = [by[(m, s, f)]["acc1"] - by[(base, s, f)]["acc1"]
+             for s in res["seeds"] for f in range(res["folds"])]
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        mine = [r for r in res["runs"] if r["mode"] == m]
+        rows.append({"mode": m, "acc": statistics.fmean(per_seed),
+                     "acc_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else float("nan"),
+                     "diff": statistics.fmean(d), "diff_se": se, "pairs": len(d),
+                     "saved_mib": statistics.median(r["saved_mib"] for r in mine),
+                     "step_ms": statistics.median(r["step_ms"] for r in mine)})
+    return rows
+
+
+def format_results(res: dict) -> str:
+    """The summary as a markdown table, with what it was run with."""
+    rows = summarize(res)
+    base = rows[0]
+    lines = [f"Demo DeiT on DIGITS ({res['n_images']} images), {res['folds']}-fold cross-validation x "
+             f"{len(res['seeds'])} seeds ({' '.join(map(str, res['seeds']))}), {res['epochs']} epochs; "
+             f"differences paired by fold and seed, +- standard error over {base['pairs']} pairs:",
+             "",
+             f"| mode | top-1 (mean over seeds) | sd over seeds | vs {base['mode']} (points) | "
+             "saved activations / step | step time |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        diff = "" if r is base else f"{r['diff']:+.2f} +- {r['diff_se']:.2f}"
+        lines.append(f"| {r['mode']} | {r['acc']:.2f}% | {r['acc_sd']:.2f} | {diff} | "
+                     f"{r['saved_mib']:.2f} MiB ({r['saved_mib'] / base['saved_mib']:.3f}x) | "
+                     f"{r['step_ms']:.1f} ms |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> str | None:
+    """Accuracy (mean, +- the paired standard error) against saved activation bytes per step, to
+    ``path`` (PNG); returns the path, or None (with no error) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summarize(res)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in rows:
+        err = 0.0 if r is rows[0] else r["diff_se"]
+        ax.errorbar(r["saved_mib"], r["acc"], yerr=err, fmt="o", capsize=3)
+        ax.annotate(r["mode"], (r["saved_mib"], r["acc"]), textcoords="offset points", xytext=(5, 5))
+    ax.set_xlabel("saved activations per training step (MiB)")
+    ax.set_ylabel("top-1 (%), cross-validated")
+    ax.set_title(f"DIGITS, {res['folds']}-fold x {len(res['seeds'])} seeds, {res['epochs']} epochs",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
