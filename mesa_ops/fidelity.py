@@ -17,17 +17,20 @@ relative to ``||g0||`` of the group:
 * ``single``: sqrt(mean_k ||d_k||^2) -- the error of one training step's gradient;
 * ``mean_err[k]``: ||mean of the first k draws - g0|| for k = 1, 2, 4, ... K. For an unbiased
   gradient it falls like 1/sqrt(k); it stops falling at the bias (the floor);
-* ``noise``: sqrt(tr Var(g_k)) (the per-element sample variances summed; ``noise**2`` is the
-  variance) and ``bias``: sqrt(max(0, ||mean_K - g0||^2 - tr Var / K)), the floor with the noise
-  left in the mean of K draws subtracted (an unbiased estimate of ||E[g_k] - g0||^2 under the
-  root); ``bias_se``: the standard error of that estimate, on the same scale (a bias below about
-  2 ``bias_se`` is not resolved by K draws: raise K);
+* ``noise``: sqrt(tr Var(g_k)), the per-element sample variances summed (``noise**2`` is the
+  variance);
+* ``bias``: sqrt(max(0, U)), U the mean over pairs a != b of <mean_a, mean_b>, the means of d
+  over ``M = min(K, max_batches)`` disjoint batches of draws (draw i in batch i % M): unbiased
+  for ||E[g_k] - g0||^2, the floor with the noise of a finite K taken out (with M = K it equals
+  ||mean_K - g0||^2 - tr Var / K); ``bias_se``: its standard error, by the jackknife over the
+  batches (which makes no assumption on how the gradient elements' noise is correlated), on the
+  scale of the bias. A bias under about 2 ``bias_se`` is not resolved by K draws (raise K);
 * ``slope``: log(mean_err[K] / mean_err[1]) / log(K): -0.5 for an unbiased gradient, 0 where the
   bias dominates.
 
 Everything the model's state holds (ranges, draw counters, torch's and Mesa's generators) is put
 back afterwards as the warm-up left it. Costs ``len(warm)`` forwards and ``K + 1`` training steps;
-memory: two float64 copies of the gradients.
+memory: ``M + 1`` float32 copies of the gradients.
 """
 from __future__ import annotations
 
@@ -121,7 +124,7 @@ def grad_fidelity(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None
                   draws: int = 16, warm: Iterable = (), loss_fn: Callable | None = None,
                   range_mode: str | None = None, ks: list[int] | None = None, base: int = 1,
                   exact: Callable | None = None, group: Callable[[str], str] = param_group,
-                  check_enabled: bool = True) -> dict:
+                  check_enabled: bool = True, max_batches: int = 16) -> dict:
     """Measure the Mesa gradient of one step on ``x`` (B, ...) with labels ``target`` (B,) (or
     None) against exact autograd, over ``draws`` stochastic-rounding draws (see the module doc).
 
@@ -131,11 +134,13 @@ def grad_fidelity(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None
     as the model has it); ``ks``: the k of ``mean_err`` (default :func:`default_ks`); ``base``:
     Mesa's generator base of the first draw (draw i uses ``base + i``); ``exact``: a function
     ``exact(model)`` giving a context manager in which the model computes exact gradients
-    (default :func:`mesa_off`); ``group``: parameter name -> group name; ``check_enabled``:
+    (default :func:`mesa_off`); ``group``: parameter name -> group name; ``max_batches``: the
+    most batches of draws kept for the bias estimate (memory: that many gradients); ``check_enabled``:
     raise when no quantizer of the model is enabled (False: measure anyway, e.g. a model whose
     only approximation is a packed activation checkpoint, see :func:`mesa_ops.planner.verify`).
 
-    Returns a dict: ``draws``, ``ks``, ``range_mode`` (of the first quantizer), ``warm_steps``,
+    Returns a dict: ``draws``, ``ks``, ``batches``, ``range_mode`` (of the first enabled
+    quantizer), ``warm_steps``,
     ``groups``: {group: {``numel``, ``grad_norm``, ``single``, ``mean_err`` {k: rel},
     ``bias``, ``bias_se``, ``noise``, ``slope``}} with ``all`` first."""
     draws = int(draws)
@@ -176,34 +181,31 @@ def grad_fidelity(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None
         restore()
         with exact(model):
             g0 = _grads(model, params, x, target, loss_fn)
-        s1 = [torch.zeros_like(g, dtype=torch.float64) for g in g0]
-        s2 = [torch.zeros_like(g, dtype=torch.float64) for g in g0]
-        mean_sq = {k: [0.0] * len(params) for k in ks}
+        M = min(draws, max_batches)  # draw i is summed into batch i % M
+        sums = [torch.zeros((M,) + g.shape, dtype=torch.float32, device=g.device) for g in g0]
+        sq = [0.0] * len(params)  # sum over draws of ||d||^2
+        part = {}  # k -> ||sum of the first k d||^2, per parameter
         for i in range(draws):
             restore()
             ops.set_rng_state(torch.tensor([base + i], dtype=torch.int64))
             g = _grads(model, params, x, target, loss_fn)
             for j, (gj, g0j) in enumerate(zip(g, g0)):
                 d = gj.double() - g0j.double()
-                s1[j] += d
-                s2[j] += d * d
-            if i + 1 in mean_sq:
-                mean_sq[i + 1] = [float((a / (i + 1)).square().sum()) for a in s1]
+                sq[j] += float(d.square().sum())
+                sums[j][i % M] += d.float()
+            if i + 1 in ks:
+                part[i + 1] = [float(t.sum(0, dtype=torch.float64).square().sum()) for t in sums]
     finally:
         restore()
         ops.set_rng_state(mesa_state)
 
-    # per parameter: sums the groups add up
-    K = draws
+    # per parameter: what the groups add up (the Gram matrix of the batch sums, float64)
     per = []
     for j in range(len(params)):
-        m = s1[j] / K
-        var = (s2[j] - s1[j] * m).clamp_min(0) / (K - 1)  # per-element sample variance of d
-        per.append({
-            "numel": g0[j].numel(), "g0": float(g0[j].double().square().sum()),
-            "single": float(s2[j].sum()) / K, "var": float(var.sum()),
-            "var2": float(var.square().sum()), "mvar": float((m.square() * var).sum()),
-            "mean": {k: mean_sq[k][j] for k in ks}})
+        per.append({"numel": g0[j].numel(), "g0": float(g0[j].double().square().sum()),
+                    "sq": sq[j], "gram": _gram(sums[j]), "part": {k: part[k][j] for k in ks}})
+        sums[j] = None
+    counts = torch.tensor([len(range(a, draws, M)) for a in range(M)], dtype=torch.float64)
     names = ["all"] + list(dict.fromkeys(group(n) for n, _ in params))
     members = {g: [] for g in names}
     for j, (n, _) in enumerate(params):
@@ -212,31 +214,59 @@ def grad_fidelity(model: nn.Module, x: torch.Tensor, target: torch.Tensor | None
     groups = {}
     for gname in names:
         idx = members[gname]
-        tot = {key: sum(per[j][key] for j in idx) for key in ("numel", "g0", "single", "var", "var2", "mvar")}
-        mean = {k: sum(per[j]["mean"][k] for j in idx) for k in ks}
-        groups[gname] = _summarize(tot, mean, K, ks)
-    return {"draws": K, "ks": ks, "warm_steps": n_warm,
+        groups[gname] = _summarize(
+            sum(per[j]["numel"] for j in idx), sum(per[j]["g0"] for j in idx),
+            sum(per[j]["sq"] for j in idx), sum(per[j]["gram"] for j in idx),
+            {k: sum(per[j]["part"][k] for j in idx) for k in ks}, counts, ks)
+    return {"draws": draws, "ks": ks, "batches": M, "warm_steps": n_warm,
             "range_mode": next((q.range_mode for q in qs if q.enable), None), "groups": groups}
 
 
-def _summarize(tot: dict, mean: dict, K: int, ks: list[int]) -> dict:
-    norm = math.sqrt(tot["g0"])
+def _gram(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """(M, M) float64 Gram matrix of the rows of ``t`` (M, ...), in chunks of the columns."""
+    flat = t.reshape(t.shape[0], -1)
+    out = torch.zeros(flat.shape[0], flat.shape[0], dtype=torch.float64)
+    for c in range(0, flat.shape[1], chunk):
+        part = flat[:, c:c + chunk].double()
+        out += (part @ part.T).cpu()
+    return out
+
+
+def _bias2(gram: torch.Tensor, counts: torch.Tensor) -> float:
+    """The unbiased estimate of ||E d||^2 from independent batch means: the mean over pairs
+    a != b of <mean_a, mean_b>."""
+    m = gram / counts[:, None] / counts[None, :]
+    n = m.shape[0]
+    return float((m.sum() - m.diagonal().sum()) / (n * (n - 1)))
+
+
+def _summarize(numel, g0, sq, gram, part, counts, ks) -> dict:
+    K = int(counts.sum())
+    M = gram.shape[0]
+    norm = math.sqrt(g0)
     scale = 1.0 / norm if norm > 0 else float("nan")
-    b2 = mean[K] - tot["var"] / K
-    # Var of ||mean - g0||^2 (Gaussian noise, independent elements): 2 sum var^2 / K^2 + 4 sum m^2 var / K
-    b2_se = math.sqrt(max(0.0, 2 * tot["var2"] / K ** 2 + 4 * tot["mvar"] / K))
+    total2 = float(gram.sum())  # ||sum of all d||^2
+    var = max(0.0, (sq - total2 / K) / (K - 1))  # tr Var(d), the sample variance
+    b2 = _bias2(gram, counts)
+    if M >= 3:  # jackknife over the batches (the noise of gradient elements is correlated)
+        loo = []
+        for c in range(M):
+            keep = [a for a in range(M) if a != c]
+            loo.append(_bias2(gram[keep][:, keep], counts[keep]))
+        mu = sum(loo) / M
+        b2_se = math.sqrt((M - 1) / M * sum((v - mu) ** 2 for v in loo))
+    else:
+        b2_se = float("nan")
     bias = math.sqrt(max(0.0, b2))
-    # the standard error of the bias on its own scale: d sqrt(b2) = d b2 / (2 sqrt(b2)), and no
-    # better than sqrt(se) where the estimate is near zero
+    # on the bias's own scale: d sqrt(b2) = d b2 / (2 sqrt(b2)), no better than sqrt(se) near 0
     bias_se = min(math.sqrt(b2_se), b2_se / (2 * bias)) if bias > 0 else math.sqrt(b2_se)
-    e1, eK = math.sqrt(mean[ks[0]]), math.sqrt(mean[K])
-    slope = (math.log(eK / e1) / math.log(K / ks[0])
-             if e1 > 0 and eK > 0 and K > ks[0] else float("nan"))
-    return {"numel": int(tot["numel"]), "grad_norm": norm,
-            "single": math.sqrt(tot["single"]) * scale,
-            "mean_err": {k: math.sqrt(mean[k]) * scale for k in ks},
-            "bias": bias * scale, "bias_se": bias_se * scale,
-            "noise": math.sqrt(tot["var"]) * scale, "slope": slope}
+    err = {k: math.sqrt(part[k]) / k for k in ks}
+    k0 = ks[0]
+    slope = (math.log(err[K] / err[k0]) / math.log(K / k0)
+             if err[k0] > 0 and err[K] > 0 and K > k0 else float("nan"))
+    return {"numel": int(numel), "grad_norm": norm, "single": math.sqrt(sq / K) * scale,
+            "mean_err": {k: v * scale for k, v in err.items()}, "bias": bias * scale,
+            "bias_se": bias_se * scale, "noise": math.sqrt(var) * scale, "slope": slope}
 
 
 def format_table(report: dict, title: str = "", max_groups: int | None = None) -> str:

@@ -91,9 +91,9 @@ def test_round_to_nearest_is_all_bias_no_noise():
         if isinstance(q, QuantMixin):
             q.stochastic = False
     a = FI.grad_fidelity(model, x, y, draws=4, warm=warm)["groups"]["all"]
-    assert a["noise"] == 0 and a["bias_se"] == 0
-    assert a["bias"] > 0 and math.isclose(a["bias"], a["single"], rel_tol=1e-6)
-    assert len({round(v, 12) for v in a["mean_err"].values()}) == 1  # does not fall with K
+    assert a["noise"] < 1e-3 * a["bias"] and a["bias_se"] < 1e-3 * a["bias"]  # every draw the same
+    assert a["bias"] > 0 and math.isclose(a["bias"], a["single"], rel_tol=1e-5)
+    assert max(a["mean_err"].values()) < (1 + 1e-5) * min(a["mean_err"].values())  # no fall with K
 
 
 def test_state_is_restored_and_draws_are_reproducible():

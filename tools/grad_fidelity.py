@@ -84,6 +84,15 @@ def _batches(args, n: int):
     return list(zip(xs.split(b), ys.split(b))), args.num_classes or num_classes
 
 
+def _finite(obj):
+    """``obj`` with NaN floats as None (strict JSON)."""
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return None if isinstance(obj, float) and obj != obj else obj
+
+
 def main(argv=None):
     args = _args(argv)
     batches, num_classes = _batches(args, 1 + args.warm_steps)
@@ -112,7 +121,7 @@ def main(argv=None):
         print()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(reports, f, indent=1)
+            json.dump(_finite(reports), f, indent=1)
         print(f"wrote {args.json}")
     return reports
 
