@@ -32,7 +32,7 @@ from data import DigitsDataset
 from data.transforms import build_transform
 
 from .args import get_args_parser
-from .engine import train_one_epoch
+from .engine import make_scaler, train_one_epoch
 from .main import _seed, build_model, build_optimizer, resolve_args
 
 __all__ = ["DEMO_TRAIN_ARGS", "MODES", "digits_all", "fold_splits", "train_fold", "crossval",
@@ -101,8 +101,6 @@ def train_fold(x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, bits: int |
                                          drop_last=True)
     optimizer, sched = build_optimizer(args, model, len(loader))
     criterion = torch.nn.CrossEntropyLoss()
-    from .engine import make_scaler
-
     scaler = make_scaler(args.amp, device)
     with open(log_path or os.devnull, "w", encoding="utf-8") as f, contextlib.redirect_stdout(f):
         for epoch in range(epochs):
