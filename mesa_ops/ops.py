@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import nonfinite, reference
-from .backend import get_backend
+from .backend import get_backend, kernel_for
 
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 62) - 1
@@ -151,7 +151,7 @@ def _range_update_impl(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Ten
                        sync: bool) -> torch.Tensor:
     """Running-range update in place; returns (4, G): inv, step, offset, finite (1/0) of the
     range this batch is quantized with (``range_mode``: reference.EMA / BATCH / UNION)."""
-    be = get_backend(x)
+    be = kernel_for(get_backend(x), x, x.dtype, bits)
     if sync and update and dist_world() > 1:
         mm = _synced_minmax(be, x, groups, inner)
         params = reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
@@ -198,7 +198,8 @@ def _quantize_impl(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draw
     quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``); ``name`` (the
     layer's) salts its seed."""
     seed = draw_seed(draws, name, advance, x.device) if stochastic else 0
-    return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
+    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner,
+                                                                 seed, stochastic)
 
 
 _quantize_op = torch.library.custom_op("mesa::quantize", _quantize_impl, mutates_args=("draws",))
@@ -213,7 +214,8 @@ def _(x, inv, shift, draws, name, bits, groups, inner, stochastic, advance):
 def _dequantize_impl(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
                groups: int, inner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Packed codes -> flat (numel,) tensor of ``dtype``: code * step + shift per group."""
-    return get_backend(packed).dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
+    be = kernel_for(get_backend(packed), packed, dtype, bits)
+    return be.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
 
 
 _dequantize_op = torch.library.custom_op("mesa::dequantize", _dequantize_impl, mutates_args=())
