@@ -32,7 +32,7 @@ from .backend import get_backend, kernel_for
 
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 62) - 1
-_BASE = torch.zeros(1, dtype=torch.int64)  # Mesa's stream: seeds differ for each base value
+_BASE = [0]  # Mesa's stream: seeds differ for each base value (a host int: never a tensor read)
 
 
 _splitmix64 = reference.splitmix64
@@ -75,7 +75,7 @@ def salt_mix(salt: int) -> int:
     the CPU kernel hashes torch's generator state with it itself: ``prefix_of_mix``)."""
     mix = _SALT_MIX.get(salt)
     if mix is None:
-        mix = _SALT_MIX[salt] = _splitmix64(int(_BASE[0]) ^ _splitmix64(salt))
+        mix = _SALT_MIX[salt] = _splitmix64(_BASE[0] ^ _splitmix64(salt))
     return mix
 
 
@@ -116,16 +116,16 @@ def get_rng_state() -> torch.Tensor:
     it). The seeds also depend on torch's generator state and on each quantizer's draw count,
     which resumes from its ``iteration`` buffer (state dict): restoring the model, torch's RNG
     state and this gives the same noise."""
-    return _BASE.clone()
+    return torch.tensor([_BASE[0]], dtype=torch.int64)
 
 
 def set_rng_state(state) -> None:
     """Restore a base from :func:`get_rng_state` (another value gives an independent stream)."""
     t = torch.as_tensor(state)
-    if t.dtype != torch.int64 or t.shape != _BASE.shape:
-        raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape {tuple(_BASE.shape)} "
+    if t.dtype != torch.int64 or t.shape != (1,):
+        raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape (1,) "
                          f"from ms.get_rng_state(), got dtype {t.dtype} shape {tuple(t.shape)}")
-    _BASE.copy_(t.cpu())
+    _BASE[0] = int(t.cpu()[0])
     _SALT_MIX.clear()
 
 
