@@ -111,44 +111,50 @@ def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
     return int(aten._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
 
 
+
+def _fused_forward(choice: int, q, k, v, am, scale):
+    """The fused kernel ``choice`` on (B, H, L, D) q, k, v as F.sdpa calls it: (out, logsumexp,
+    the tensors its backward takes besides, (max_q, max_k) or None)."""
+    if choice == FLASH and q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                      attn_mask=am, scale=scale)
+        return out, lse, (), None
+    if choice == FLASH:  # as F.sdpa: head dims padded to a multiple of 8, the scale of D
+        d = q.shape[-1]
+        (out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _) = aten._scaled_dot_product_flash_attention(
+            _pad8(q), _pad8(k), _pad8(v), 0.0, False, False, scale=_scale(scale, d))
+        return out[..., :d], lse, (cum_q, cum_k, rng, unused), (max_q, max_k)
+    if choice == CUDNN:
+        (out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _) = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, am, True, 0.0, False, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
+    if choice == EFFICIENT:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, _mem_eff_mask(am, q, k), True, 0.0, False, scale=scale)
+        return out, lse, (seed, offset), None
+    raise NotImplementedError(f"mesa SDPA: SDPA backend {choice} (overrideable) is not "
+                              "supported; choose another with torch.nn.attention.sdpa_kernel")
+
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
         qc, kc, vc = as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
-        extra = ()
-        if choice == FLASH and qc.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qc, kc, vc, 0.0, False,
-                                                                          attn_mask=am, scale=scale)
-        elif choice == FLASH:  # as F.sdpa: head dims padded to a multiple of 8, the scale of D
-            (out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _) = aten._scaled_dot_product_flash_attention(
-                _pad8(qc), _pad8(kc), _pad8(vc), 0.0, False, False, scale=_scale(scale, D))
-            out = out[..., :D]
-            extra = (cum_q, cum_k, rng, unused)
-            ctx.max_qk = (max_q, max_k)
-        elif choice == CUDNN:
-            (out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _) = aten._scaled_dot_product_cudnn_attention(
-                qc, kc, vc, am, True, 0.0, False, False, scale=scale)
-            extra = (cum_q, cum_k, seed, offset)
-            ctx.max_qk = (max_q, max_k)
-        elif choice == EFFICIENT:
-            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                qc, kc, vc, _mem_eff_mask(am, qc, kc), True, 0.0, False, scale=scale)
-            extra = (seed, offset)
-        elif choice == MATH:
+        if choice == MATH:
             out = aten._scaled_dot_product_attention_math(
                 _split(qc, window_mask), _split(kc, window_mask), _split(vc, window_mask), am, 0.0,
                 False, None, scale=scale)[0].reshape(B, H, N, D)
-            lse = None
+            lse, extra = None, ()
         else:
-            raise NotImplementedError(f"mesa SDPA: SDPA backend {choice} (overrideable) is not "
-                                      "supported; choose another with torch.nn.attention.sdpa_kernel")
+            out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
         qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
         save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
                           _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
+        ctx.recompute = getattr(mod, "consistent_backward", True) and (
+            mod.quant_q.enable or mod.quant_k.enable or mod.quant_v.enable)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
         ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
@@ -165,6 +171,13 @@ class _SDPA(torch.autograd.Function):
         g = as_dtype(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
         gbias = None
         am = build_mask(bias, window_mask, qh.shape[0], cdt)
+        if ctx.recompute and ctx.choice != MATH:
+            # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
+            # backward is then the exact gradient at the dequantized inputs, as the math path's
+            # and the explicit path's are. With the forward's exact logsumexp instead, P =
+            # exp(q~ k~^T s - lse) does not sum to one and its error grows with the logits' (a
+            # bias, issue 20)
+            oh, lse, extra, ctx.max_qk = _fused_forward(ctx.choice, qh, kh, vh, am, scale)
         if ctx.choice == FLASH and qh.device.type == "cpu":
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
