@@ -166,9 +166,14 @@ class MesaBackbone(GradCheckpointing, BaseModule):
         """Load the classification checkpoint into the wrapped model (if one is given)."""
         src = self.checkpoint_source()
         if src:
-            load_checkpoint(self.body, src, skip=self.ckpt_skip,
+            load_checkpoint(self.body, self.convert_checkpoint(src), skip=self.ckpt_skip,
                             verbose=lambda msg: print_log(f"{type(self).__name__}: {msg}", logger="current"))
         self._is_init = True
+
+    def convert_checkpoint(self, src):
+        """The checkpoint ``src`` as :func:`models.load_checkpoint` takes it (subclasses convert
+        other layouts)."""
+        return src
 
     # ---- Mesa --------------------------------------------------------------------------------
     def _finish(self, ms_policy, with_cp, with_cp_bits, norm_requires_grad: bool):

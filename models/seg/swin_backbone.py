@@ -9,7 +9,10 @@ gives (B, C * 2^i, ceil(H/2^(i+2)), ceil(W/2^(i+2))) for any H, W, each through 
 
 Parameter names are the official Swin checkpoints' (under ``body.``: ``patch_embed.proj``,
 ``layers.i.blocks.j.attn.qkv`` ...; the output norms ``norm{i}`` are the backbone's), so the
-paper's ImageNet checkpoints load (:meth:`MesaBackbone.init_weights`). The wrapped model is built
+paper's ImageNet checkpoints load (:meth:`MesaBackbone.init_weights`); so do the checkpoints
+mmseg's configs point to (OpenMMLab's conversions, ``stages.i.blocks.j.attn.w_msa.qkv`` ...:
+:func:`mmseg_swin_to_official` undoes mmseg's ``swin2mmseg`` key renaming and patch-merging
+channel order). The wrapped model is built
 for ``patch_size * window_size * 2^num_stages`` px, which only fixes each block's window and
 shift (every odd block shifted, as in mmseg and the Swin segmentation code); inputs may be any
 size: the image is padded to the patch size, each block pads its token map to the window size
@@ -17,19 +20,19 @@ and builds its shifted-window mask for that size, patch merging pads odd maps.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from functools import partial
-
-import mesa_ops as ms
 from mmseg.registry import MODELS
 
+from ..checkpoint import extract_state_dict, read_checkpoint
 from ..swin import SwinTransformer, window_partition, window_reverse
 from .base import (MesaBackbone, apply_arch, check_act_cfg, freeze, layer_norm_factory,
                    reject_legacy_kwargs, to_size2)
 
-__all__ = ["MesaSwinTransformer", "SWIN_ARCHS", "shifted_window_mask"]
+__all__ = ["MesaSwinTransformer", "SWIN_ARCHS", "shifted_window_mask", "mmseg_swin_to_official"]
 
 SWIN_ARCHS = {"tiny": dict(embed_dims=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24)),
               "small": dict(embed_dims=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24)),
@@ -52,6 +55,35 @@ def shifted_window_mask(H: int, W: int, window_size: int, shift_size: int, devic
     mask_windows = window_partition(img_mask, window_size).view(-1, window_size * window_size)
     mask = mask_windows.unsqueeze(1) - mask_windows.unsqueeze(2)
     return mask.masked_fill(mask != 0, float(-100.0)).masked_fill(mask == 0, float(0.0))
+
+
+def _is_mmseg_layout(sd: dict) -> bool:
+    return any(k.startswith(("stages.", "patch_embed.projection.")) for k in sd)
+
+
+def mmseg_swin_to_official(sd: dict) -> dict:
+    """A Swin state dict in mmseg's layout (``tools/model_converters/swin2mmseg.py``'s output, or
+    an mmseg Swin backbone's, ``backbone.`` prefix allowed) in the official layout: ``stages`` ->
+    ``layers``, ``attn.w_msa`` -> ``attn``, ``ffn.layers.0.0`` / ``ffn.layers.1`` -> ``mlp.fc1`` /
+    ``mlp.fc2``, ``patch_embed.projection`` -> ``patch_embed.proj``, and the patch mergings'
+    reduction (4C inputs) and norm back to the official 2x2 concatenation order."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("backbone."):
+            k = k[len("backbone."):]
+        if k.startswith("stages."):
+            k = "layers." + k[len("stages."):]
+            k = k.replace(".attn.w_msa.", ".attn.").replace(".ffn.layers.0.0.", ".mlp.fc1.")
+            k = k.replace(".ffn.layers.1.", ".mlp.fc2.")
+            if ".downsample.reduction." in k and v.dim() == 2:
+                o, i = v.shape
+                v = v.reshape(o, i // 4, 4).transpose(1, 2)[:, [0, 2, 1, 3], :].reshape(o, i)
+            elif ".downsample.norm." in k and v.dim() == 1:
+                v = v.reshape(v.shape[0] // 4, 4).transpose(0, 1)[[0, 2, 1, 3], :].reshape(-1)
+        elif k.startswith("patch_embed.projection."):
+            k = "patch_embed.proj." + k[len("patch_embed.projection."):]
+        out[k] = v
+    return out
 
 
 @MODELS.register_module()
@@ -137,6 +169,11 @@ class MesaSwinTransformer(MesaBackbone):
             self.add_module(f"norm{i}", norm_layer(self.num_features[i], quant_groups=body.qgroups(
                 self.num_features[i], num_heads[i], f"norm{i}")))
         self._finish(ms_policy, with_cp, with_cp_bits, norm_grad)
+
+    def convert_checkpoint(self, src):
+        """Official / this repo's / Mesa checkpoints as they are; mmseg-layout ones converted."""
+        sd, _ = extract_state_dict(read_checkpoint(src), str(src))
+        return mmseg_swin_to_official(sd) if _is_mmseg_layout(sd) else sd
 
     # ---- freezing (mmseg's SwinTransformer._freeze_stages) ------------------------------------
     def _freeze_stages(self):
