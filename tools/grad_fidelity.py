@@ -22,6 +22,7 @@ import torch
 from timm.utils import ParseKwargs
 
 import data
+import mesa_ops as ms
 import models
 from mesa_ops import fidelity
 from mesa_ops.compress import build_model
@@ -50,6 +51,9 @@ def _args(argv):
     ap.add_argument("--draws", type=int, default=16)
     ap.add_argument("--groups", type=int, default=None, help="print at most this many groups per table")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sdpa-backward", choices=("consistent", "lse"), default="consistent",
+                    help="fused attention backward: 'consistent' (the default: reruns the forward on "
+                    "the stored q, k, v) or 'lse' (the forward's softmax statistics, as before)")
     ap.add_argument("--json", default=None, help="write the reports here")
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.warm_steps < 0 or args.draws < 2:
@@ -101,7 +105,11 @@ def main(argv=None):
     def build(policy):
         if policy not in ("off", "mesa8", "mesa4", "mesa2") and not os.path.isfile(policy):
             raise SystemExit(f"grad_fidelity: --policy {policy}: neither mesa8/mesa4/mesa2 nor a file")
-        return build_model(args.model, policy, img_size=args.input_size, **kw)
+        model = build_model(args.model, policy, img_size=args.input_size, **kw)
+        for m in model.modules():
+            if isinstance(m, ms.SDPA):
+                m.consistent_backward = args.sdpa_backward == "consistent"
+        return model
 
     torch.manual_seed(args.seed)
     base = build("off")
@@ -112,11 +120,12 @@ def main(argv=None):
                                state_dict=base.state_dict(), draws=args.draws)
     for rep in reports:
         rep.update(model=args.model, model_kwargs=args.model_kwargs, input_size=args.input_size,
+                   sdpa_backward=args.sdpa_backward,
                    data_set=args.data_set, batch_size=args.batch_size, weights=args.weights,
                    seed=args.seed)
         title = (f"{args.model} {args.input_size} px, {rep['policy']}, range_mode {rep['range_mode']}, "
                  f"batch {args.batch_size} of {args.data_set}, {rep['warm_steps']} warm-up steps, "
-                 f"{rep['draws']} draws (% of the exact gradient's norm):")
+                 f"{rep['draws']} draws, SDPA backward {args.sdpa_backward} (% of the exact gradient's norm):")
         print(fidelity.format_table(rep, title, max_groups=args.groups))
         print()
     if args.json:
