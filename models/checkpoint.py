@@ -15,14 +15,23 @@ Any other missing, unexpected or mis-shaped key raises :class:`CheckpointError` 
 Position embeddings and relative-position tables of another resolution / window are resized
 (the model's ``resize_checkpoint_tensor``). Files are read with ``torch.load(weights_only=True)``
 (``argparse.Namespace`` allowed, as training scripts store their args).
+
+Integrity: every checkpoint this repo writes (:func:`save_checkpoint`, ``training.checkpoint``)
+holds ``'checksum': {'algorithm': 'sha256-tree-v1', 'value': hex}``, a SHA-256 of the payload
+(every other entry: keys, tensor dtypes, shapes and bytes, scalars), and :func:`read_checkpoint`
+verifies it (:class:`CheckpointError` naming the file on a mismatch). A file without one (the
+official DeiT / Swin / PVT checkpoints, the original Mesa code's) loads as before.
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import logging
 import os
 import pickle
+import urllib.error
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +43,15 @@ from mesa_ops.quant import QuantMixin
 
 __all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint", "read_checkpoint",
            "extract_state_dict", "quantizer_keys", "resize_pos_embed", "resize_rel_pos_bias_table",
-           "FORMAT_NAME"]
+           "FORMAT_NAME", "CHECKSUM_KEY", "add_checksum", "payload_checksum", "verify_checksum",
+           "hub_cache_path"]
 
 _log = logging.getLogger("models")
 FORMAT_NAME = "mesa-repro"
 FORMAT_VERSION = 1
 QUANT_BUFFERS = ("clip_val", "shift", "iteration")
+CHECKSUM_KEY = "checksum"
+CHECKSUM_ALGORITHM = "sha256-tree-v1"
 
 
 class CheckpointError(RuntimeError):
@@ -74,17 +86,101 @@ class LoadReport:
         return "; ".join(parts)
 
 
+# ---- checksum ------------------------------------------------------------------------------------
+def _feed(h, x) -> None:
+    """Hash ``x`` into ``h``: the structure (dict keys in sorted order, list / tuple lengths), each
+    tensor's dtype, shape and bytes, each scalar's repr (exact for floats)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(x, dict):
+        h.update(f"D{len(x)}".encode())
+        for k in sorted(x, key=repr):
+            h.update(f"K{k!r}".encode())
+            _feed(h, x[k])
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{'L' if isinstance(x, list) else 'U'}{len(x)}".encode())
+        for v in x:
+            _feed(h, v)
+    elif isinstance(x, argparse.Namespace):
+        _feed(h, vars(x))
+    else:
+        h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+
+def payload_checksum(obj: dict) -> str:
+    """SHA-256 (hex) of a checkpoint dict's payload: every entry but ``'checksum'``."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in obj.items() if k != CHECKSUM_KEY})
+    return h.hexdigest()
+
+
+def add_checksum(obj: dict) -> dict:
+    """``obj`` with ``'checksum'`` set to its payload's :func:`payload_checksum` (in place)."""
+    obj[CHECKSUM_KEY] = {"algorithm": CHECKSUM_ALGORITHM, "value": payload_checksum(obj)}
+    return obj
+
+
+def verify_checksum(obj, source: str) -> bool:
+    """Check the stored checksum of a loaded checkpoint; True when there was one to check, False
+    for a checkpoint without one (foreign files). Raises :class:`CheckpointError` on a mismatch."""
+    if not isinstance(obj, dict):
+        return False
+    ck = obj.get(CHECKSUM_KEY)
+    if not (isinstance(ck, dict) and ck.get("algorithm") == CHECKSUM_ALGORITHM):
+        return False
+    got = payload_checksum(obj)
+    if got != ck.get("value"):
+        raise CheckpointError(
+            f"{source}: checksum mismatch, the file is corrupted (stored sha256 {str(ck.get('value'))[:12]}..., "
+            f"contents hash to {got[:12]}...); copy it again or use an earlier checkpoint")
+    return True
+
+
 # ---- reading -------------------------------------------------------------------------------------
 def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://", "file://"))
 
 
 def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True):
-    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default)."""
+    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default),
+    its checksum verified when it has one (see the module docstring). A URL is downloaded into
+    torch.hub's cache (``<torch.hub.get_dir()>/checkpoints/<file name>``) unless already there; one
+    that cannot be fetched raises :class:`CheckpointError` saying so and where a manual download
+    goes."""
     src = os.fspath(path_or_url)
+    obj = _read(src, map_location, weights_only)
+    verify_checksum(obj, src)
+    return obj
+
+
+def hub_cache_path(url: str) -> str:
+    """Where torch.hub keeps (and looks for) the download of ``url``."""
+    name = os.path.basename(urllib.parse.urlparse(url).path)
+    return os.path.join(torch.hub.get_dir(), "checkpoints", name)
+
+
+def _download(url: str) -> None:
+    dst = hub_cache_path(url)
+    if os.path.isfile(dst):
+        return
+    try:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        torch.hub.download_url_to_file(url, dst, progress=False)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise CheckpointError(f"{url}: could not be downloaded ({type(exc).__name__}: {reason}); download "
+                              f"it by hand to {dst} (torch.hub's cache, read from there) or pass "
+                              "a local path") from exc
+
+
+def _read(src: str, map_location, weights_only: bool):
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             if _is_url(src):
+                _download(src)
                 return torch.hub.load_state_dict_from_url(src, map_location=map_location, progress=False,
                                                           weights_only=weights_only)
             if not os.path.isfile(src):
@@ -262,8 +358,8 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
 
 
 def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
-    """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra}``, readable
-    with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
+    """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra, 'checksum'}``,
+    readable with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
     layer, whether it was enabled and at how many bits."""
     from .registry import registry_name
 
@@ -275,8 +371,8 @@ def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
             "class": type(model).__name__, "mesa": mesa}
     obj = {"model": model.state_dict(), "meta": meta}
     if extra:
-        clash = set(extra) & set(obj)
+        clash = set(extra) & (set(obj) | {CHECKSUM_KEY})
         if clash:
             raise ValueError(f"save_checkpoint: extra keys {sorted(clash)} are reserved")
         obj.update(extra)
-    torch.save(obj, os.fspath(path))
+    torch.save(add_checksum(obj), os.fspath(path))

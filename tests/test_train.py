@@ -6,11 +6,13 @@ tests/test_train_dist.py."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
 import runpy
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -231,3 +233,43 @@ def test_report_groups_runs_by_label_prefix(tmp_path):
     assert "| mesa8/s0 | 2 | 96.00% (97.00%) | 1.00 MiB (0.250x) |" in out
     assert "| exact | 2 | 97.00% (96.00 - 98.00) | +0.00 points | 98.00% |" in out
     assert "| mesa8 | 2 | 96.50% (96.00 - 97.00) | -0.50 points | 97.50% |" in out
+
+
+def _flip_tensor_bytes(path, n: int = 400) -> None:
+    """Invert ``n`` bytes in the middle of the largest tensor record of a torch.save zip (what a
+    bad disk or copy does; torch.load does not check the zip's CRCs)."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        start = info.header_offset + 30 + name_len + extra_len + info.file_size // 2 - n // 2
+        f.seek(start)
+        data = f.read(n)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def test_corrupted_checkpoint_is_refused_and_foreign_ones_load(tmp_path, capsys):
+    out = tmp_path / "run"
+    run(TINY + FAKE + ["--epochs", "1", "--output-dir", out])
+    path = out / "checkpoint.pth"
+    ck = torch.load(path, weights_only=True)
+    assert ck["checksum"]["algorithm"] == "sha256-tree-v1"
+    assert ck["checksum"]["value"] == models.checkpoint.payload_checksum(ck)
+    assert models.checkpoint.verify_checksum(training.checkpoint.read_checkpoint(path), str(path))
+    _flip_tensor_bytes(path)
+    torch.load(path, weights_only=True)  # torch itself reads the damaged file without complaint
+    msg = _cli_error(TINY + FAKE + ["--eval", "--resume", path])
+    assert "checksum mismatch" in msg and str(path) in msg and "corrupted" in msg
+    # a checkpoint without a checksum (official / original Mesa files) loads as before
+    foreign = tmp_path / "foreign.pth"
+    torch.save({"model": ck["model"]}, foreign)
+    capsys.readouterr()
+    run(TINY + FAKE + ["--eval", "--resume", foreign])
+    assert acc_lines(capsys.readouterr().out)
+    # models.save_checkpoint writes one too
+    m = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=1, embed_dim=32, num_heads=2,
+                            img_size=32, num_classes=10)
+    models.save_checkpoint(m, tmp_path / "m.pth")
+    assert models.checkpoint.verify_checksum(torch.load(tmp_path / "m.pth", weights_only=True), "m.pth")

@@ -4,7 +4,8 @@ everything an exact resume needs.
 A checkpoint is ``{'model', 'meta'}`` (as :func:`models.save_checkpoint`: weights with the Mesa
 quantizer state) plus ``optimizer``, ``lr_scheduler``, ``scaler``, ``model_ema``, ``epoch``,
 ``max_accuracy``, ``args`` (a plain dict) and ``rng``: per rank, the torch (CPU and CUDA), numpy,
-python and Mesa stochastic-rounding generator states.
+python and Mesa stochastic-rounding generator states; and ``checksum``, the SHA-256 of all that
+(:func:`models.checkpoint.add_checksum`), verified by :func:`read_checkpoint`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 import mesa_ops as ms
 from mesa_ops.layers import MESA_LAYERS
-from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
+from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, add_checksum, read_checkpoint
 
 __all__ = ["atomic_save", "build_checkpoint", "get_rng_states", "read_checkpoint", "set_rng_states"]
 
@@ -54,7 +55,7 @@ def build_checkpoint(model, *, optimizer, lr_scheduler, scaler, model_ema, epoch
            "max_accuracy": float(max_accuracy), "args": args, "rng": rng}
     if model_ema is not None:
         obj["model_ema"] = model_ema.state_dict()
-    return obj
+    return add_checksum(obj)
 
 
 def get_rng_states() -> dict:

@@ -263,7 +263,7 @@ def _run(args, dist_info) -> dict:
     tb.close()
     if args.save_rank_state and args.output_dir:
         barrier()
-        torch.save({"model": model_without_ddp.state_dict(), "rank": get_rank()},
-                   os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
+        ckpt.atomic_save(models.checkpoint.add_checksum({"model": model_without_ddp.state_dict(), "rank": get_rank()}),
+                         os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
     return stats
