@@ -273,3 +273,24 @@ def test_corrupted_checkpoint_is_refused_and_foreign_ones_load(tmp_path, capsys)
                             img_size=32, num_classes=10)
     models.save_checkpoint(m, tmp_path / "m.pth")
     assert models.checkpoint.verify_checksum(torch.load(tmp_path / "m.pth", weights_only=True), "m.pth")
+
+
+def test_output_dir_of_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = TINY + FAKE + ["--epochs", "1", "--output-dir", out, "--no-tensorboard"]
+    run(args)
+    first = (out / "log.txt").read_text()
+    msg = _cli_error(args)
+    assert f"--output-dir {out} holds a run already" in msg and "--resume" in msg and "--overwrite" in msg
+    assert (out / "log.txt").read_text() == first  # nothing touched
+    (out / "notes.txt").write_text("mine")
+    run(args + ["--overwrite", "--seed", "1"])
+    assert "--overwrite: deleted" in capsys.readouterr().out
+    lines = (out / "log.txt").read_text().splitlines()
+    assert len(lines) == 1 and lines[0] != first.strip()  # one run in the log, the new one
+    assert json.loads((out / "args.json").read_text())["seed"] == 1
+    assert (out / "notes.txt").read_text() == "mine"  # files the run did not write stay
+    # --resume continues the run in place (the log grows by the new epoch)
+    run(TINY + FAKE + ["--epochs", "2", "--output-dir", out, "--no-tensorboard", "--seed", "1",
+                       "--resume", out / "checkpoint.pth"])
+    assert len((out / "log.txt").read_text().splitlines()) == 2

@@ -118,7 +118,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--no-pin-mem", action="store_false", dest="pin_mem")
 
     g = _Parser(parser.add_argument_group("run control and output"))
-    g.add("--output-dir", default="", help="where checkpoints, log.txt, args.json, tensorboard go")
+    g.add("--output-dir", default="", help="where checkpoints, log.txt, args.json, tensorboard go; a "
+          "directory that holds a run already needs --resume (continue it) or --overwrite")
+    g.add("--overwrite", action="store_true",
+          help="start afresh in an --output-dir that holds a run: its run files are deleted first")
     g.add("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     g.add("--amp", default=None, choices=("fp16", "bf16", "none"),
           help="autocast precision (default: fp16 on CUDA, none on CPU)")

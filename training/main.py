@@ -4,6 +4,7 @@ training (``--train-throughput``)."""
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import random
 import time
@@ -26,7 +27,11 @@ from .distributed import all_gather_object, barrier, cleanup, get_rank, init_dis
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
 from .logs import JsonLog, TensorBoard, log, save_args
 
-__all__ = ["UsageError", "build_model", "main", "resolve_args"]
+__all__ = ["RUN_FILES", "UsageError", "build_model", "main", "resolve_args", "run_files"]
+
+# what a training run writes into --output-dir (glob patterns)
+RUN_FILES = ("checkpoint.pth", "best_checkpoint.pth", "log.txt", "args.json", "events.out.tfevents.*",
+             "rank*_state.pth")
 
 
 class UsageError(ValueError):
@@ -55,7 +60,33 @@ def resolve_args(args):
         raise UsageError("--eval needs --resume PATH_OR_URL (the checkpoint to evaluate)")
     if args.batch_size < 1 or args.epochs < 1:
         raise UsageError("--batch-size and --epochs must be >= 1")
+    _check_output_dir(args)
     return args
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The files of a training run in ``output_dir`` (:data:`RUN_FILES`), sorted by name."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return []
+    return sorted({os.path.basename(p) for pat in RUN_FILES for p in glob.glob(os.path.join(output_dir, pat))})
+
+
+def _check_output_dir(args) -> None:
+    """An --output-dir holding a run is continued (--resume) or started afresh (--overwrite),
+    never silently mixed with a new run (evaluation and --train-throughput write nothing)."""
+    if args.eval or args.train_throughput or args.resume or args.overwrite:
+        return
+    found = run_files(args.output_dir)
+    if found:
+        raise UsageError(
+            f"--output-dir {args.output_dir} holds a run already ({', '.join(found)}): continue it with "
+            f"--resume {os.path.join(args.output_dir, 'checkpoint.pth')}, or pass --overwrite to delete "
+            "those files and start afresh")
+
+
+def _clear_output_dir(output_dir: str) -> None:
+    for name in run_files(output_dir):
+        os.unlink(os.path.join(output_dir, name))
 
 
 def build_model(args, num_classes: int):
@@ -135,6 +166,12 @@ def _run(args, dist_info) -> dict:
     _seed(args.seed + dist_info.rank)
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite and not args.resume and not args.eval and not args.train_throughput:
+            removed = run_files(args.output_dir)
+            _clear_output_dir(args.output_dir)
+            if removed:
+                log(f"--overwrite: deleted {', '.join(removed)} of the previous run in {args.output_dir}")
+    barrier()
     log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
         f"device {device}, amp {args.amp}")
 
