@@ -294,3 +294,16 @@ def test_output_dir_of_a_run_needs_resume_or_overwrite(tmp_path, capsys):
     run(TINY + FAKE + ["--epochs", "2", "--output-dir", out, "--no-tensorboard", "--seed", "1",
                        "--resume", out / "checkpoint.pth"])
     assert len((out / "log.txt").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoint_file_mode_honours_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        training.checkpoint.atomic_save({"x": torch.zeros(2)}, str(tmp_path / "c.pth"))
+        with open(tmp_path / "other.txt", "w") as f:
+            f.write("x")
+    finally:
+        os.umask(old)
+    mode = os.stat(tmp_path / "c.pth").st_mode & 0o777
+    assert mode == 0o666 & ~umask == os.stat(tmp_path / "other.txt").st_mode & 0o777, oct(mode)
