@@ -307,3 +307,19 @@ def test_checkpoint_file_mode_honours_the_umask(tmp_path, umask):
         os.umask(old)
     mode = os.stat(tmp_path / "c.pth").st_mode & 0o777
     assert mode == 0o666 & ~umask == os.stat(tmp_path / "other.txt").st_mode & 0o777, oct(mode)
+
+
+def test_eval_builds_no_training_split(tmp_path, capsys, monkeypatch):
+    """--eval on FAKE with 16 training images and the default --batch-size 64: evaluation needs
+    the validation split only (16 images at --fake-size 16)."""
+    m = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=1, embed_dim=32, num_heads=2,
+                            img_size=32, num_classes=10)
+    models.save_checkpoint(m, tmp_path / "m.pth")
+    import data
+
+    splits = []
+    real = data.build_dataset
+    monkeypatch.setattr(data, "build_dataset", lambda is_train, a: (splits.append(is_train), real(is_train, a))[1])
+    stats = run(TINY + ["--data-set", "FAKE", "--fake-size", "16", "--eval", "--resume", tmp_path / "m.pth"])
+    assert splits == [False] and 0 <= stats["acc1"] <= 100
+    assert "on the 16 test images" in capsys.readouterr().out

@@ -125,28 +125,46 @@ def _seed(seed: int) -> None:
     random.seed(seed)
 
 
-def _loaders(args, dist_info, train_set, val_set):
+def _common(args) -> dict:
+    return dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
+                persistent_workers=False)
+
+
+def _train_loader(args, dist_info, train_set):
     world, rank = dist_info.world_size, dist_info.rank
     if dist_info.distributed and args.repeated_aug:
         sampler_train = data.RASampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     else:  # DistributedSampler also for one process: its order depends on seed + epoch only
         sampler_train = torch.utils.data.DistributedSampler(train_set, num_replicas=world, rank=rank,
                                                             shuffle=True, seed=args.seed)
-    if dist_info.distributed and args.dist_eval:
-        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=world, rank=rank,
-                                                          shuffle=False)
-    else:
-        sampler_val = torch.utils.data.SequentialSampler(val_set)
-    common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
-                  persistent_workers=False)
     if len(sampler_train) < args.batch_size:
         raise UsageError(f"--batch-size {args.batch_size} is larger than this rank's "
                          f"{len(sampler_train)} training images")
     train = torch.utils.data.DataLoader(train_set, sampler=sampler_train, batch_size=args.batch_size,
-                                        drop_last=True, **common)
-    val = torch.utils.data.DataLoader(val_set, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                      drop_last=False, **common)
-    return train, val, sampler_train
+                                        drop_last=True, **_common(args))
+    return train, sampler_train
+
+
+def _val_loader(args, dist_info, val_set):
+    if dist_info.distributed and args.dist_eval:
+        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=dist_info.world_size,
+                                                          rank=dist_info.rank, shuffle=False)
+    else:
+        sampler_val = torch.utils.data.SequentialSampler(val_set)
+    return torch.utils.data.DataLoader(val_set, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
+                                       drop_last=False, **_common(args))
+
+
+def _load_weights(args, model):
+    """Load ``--resume`` into ``model``; returns the checkpoint object."""
+    obj = ckpt.read_checkpoint(args.resume)
+    try:
+        report = models.load_checkpoint(model, obj, verbose=lambda *_: None)
+    except models.CheckpointError as exc:
+        raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
+    report.source = args.resume
+    log(report.summary())
+    return obj
 
 
 def main(args) -> dict:
@@ -175,9 +193,11 @@ def _run(args, dist_info) -> dict:
     log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
         f"device {device}, amp {args.amp}")
 
-    train_set, num_classes = data.build_dataset(True, args)
-    val_set, _ = data.build_dataset(False, args)
-    loader_train, loader_val, sampler_train = _loaders(args, dist_info, train_set, val_set)
+    val_set, num_classes = data.build_dataset(False, args)
+    loader_val = _val_loader(args, dist_info, val_set)
+    if not args.eval:  # evaluation builds no training split
+        train_set, _ = data.build_dataset(True, args)
+        loader_train, sampler_train = _train_loader(args, dist_info, train_set)
 
     model = build_model(args, num_classes).to(device)
     model_without_ddp = model
@@ -185,8 +205,14 @@ def _run(args, dist_info) -> dict:
     n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
     log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled")
 
+    if args.eval:
+        _load_weights(args, model)
+        stats = evaluate(loader_val, model, device, args.amp, num_classes, use_tqdm=args.tqdm)
+        log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
+        return stats
+
     model_ema = None
-    if args.model_ema and not args.eval:
+    if args.model_ema:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
                                device="cpu" if args.model_ema_force_cpu else None)
     if dist_info.distributed:
@@ -224,14 +250,8 @@ def _run(args, dist_info) -> dict:
     max_accuracy = 0.0
     rng_to_restore = None
     if args.resume:
-        obj = ckpt.read_checkpoint(args.resume)
-        try:
-            report = models.load_checkpoint(model_without_ddp, obj, verbose=lambda *_: None)
-        except models.CheckpointError as exc:
-            raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
-        report.source = args.resume
-        log(report.summary())
-        if not args.eval and isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
+        obj = _load_weights(args, model_without_ddp)
+        if isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
             optimizer.load_state_dict(obj["optimizer"])
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
             loss_scaler.load_state_dict(obj.get("scaler", {}))
@@ -245,12 +265,8 @@ def _run(args, dist_info) -> dict:
             else:
                 log(f"resume: the checkpoint holds RNG states of {len(rng)} ranks, this run has "
                     f"{dist_info.world_size}: random streams restart from --seed")
-            log(f"resumed from {report.source} at epoch {args.start_epoch}")
+            log(f"resumed from {args.resume} at epoch {args.start_epoch}")
 
-    if args.eval:
-        stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes, use_tqdm=args.tqdm)
-        log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
-        return stats
     if args.train_throughput:
         return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
                                 mixup_fn)
