@@ -281,6 +281,44 @@ def _fmt(keys, limit=40) -> str:
     return "\n  " + "\n  ".join(keys[:limit]) + more
 
 
+def _model_name(model: nn.Module) -> str:
+    from .registry import registry_name
+
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return registry_name(str(cfg.get("architecture", ""))) or type(model).__name__
+
+
+def _other_model(model, own, sd, meta, qkeys, mismatched, missing, unexpected) -> str:
+    """One line naming both models when the checkpoint is of another model: its recorded
+    architecture differs from the model's, or (same keys) weights other than the classifier
+    differ in shape (another width); else ''. A classifier of another size or other quantizer
+    group counts keep the detailed message."""
+    ck_arch = str(meta.get("architecture") or "")
+    m_arch = _model_name(model)
+    shape_keys = [m.split(":")[0] for m in mismatched if m.split(":")[0] not in qkeys]
+    body = [k for k in shape_keys if not k.startswith(("head.", "head_dist."))]
+    other_arch = bool(ck_arch) and ck_arch != m_arch and bool(missing or unexpected or mismatched)
+    if not other_arch and not (body and not missing and not unexpected):
+        return ""
+    ck_desc, m_desc = ck_arch or "of another model", m_arch
+    first = next((k for k in own if k in body), None)
+    if first is not None:  # the width: the first dim where the first differing weight differs
+        a, b = tuple(sd[first].shape), tuple(own[first].shape)
+        dim = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if dim is not None and len(a) == len(b):
+            ck_desc = f"{ck_desc} ({a[dim]}-dim)"
+            m_desc = f"{m_desc} ({b[dim]}-dim)"
+    parts = [f"checkpoint is {ck_desc}, model is {m_desc}"]
+    if first is not None:
+        parts.append(f"{len(shape_keys)} tensors differ in shape, e.g. {first}: checkpoint "
+                     f"{tuple(sd[first].shape)} vs model {tuple(own[first].shape)}")
+    if missing:
+        parts.append(f"{len(missing)} model keys missing from the checkpoint, e.g. {missing[0]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} checkpoint keys not in the model, e.g. {unexpected[0]}")
+    return "; ".join(parts)
+
+
 def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool = True,
                     map_location="cpu", verbose=None) -> LoadReport:
     """Load ``checkpoint`` (path, URL or an already loaded dict) into ``model``; see the module
@@ -326,11 +364,14 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
-    missing = [k for k in own if k not in to_load and k not in skipped and k not in derived]
+    missing = [k for k in own if k not in sd and k not in skipped and k not in derived]
     report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)
     missing_other = [k for k in missing if k not in qkeys]
     report.derived_keys = sorted(k for k in derived if k in own)
 
+    wrong = _other_model(model, own, sd, meta, qkeys, mismatched, missing_other, unexpected)
+    if wrong:
+        raise CheckpointError(f"{source} does not fit the model: {wrong}")
     problems = []
     if missing_other:
         problems.append(f"missing from the checkpoint ({len(missing_other)}):{_fmt(missing_other)}")
@@ -338,7 +379,7 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
         problems.append(f"not in the model ({len(unexpected)}):{_fmt(unexpected)}")
     if mismatched:
         hint = ""
-        if any(k.split(":")[0] in qkeys for k in mismatched):
+        if all(k.split(":")[0] in qkeys for k in mismatched):
             hint = ("\n(quantizer group counts differ: build the model with the quant_groups / "
                     "quant_group_size the checkpoint was trained with, e.g. quant_group_size=32 for "
                     "the original Swin demo)")

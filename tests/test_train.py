@@ -172,7 +172,26 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
                                 img_size=32, num_classes=10)
     models.save_checkpoint(other, tmp_path / "other.pth")
     msg = _cli_error(TINY + FAKE + ["--eval", "--resume", tmp_path / "other.pth"])
-    assert "does not fit VisionTransformer" in msg and "shape mismatch" in msg
+    assert "does not fit the model: checkpoint is deit_tiny_patch16_224 (48-dim), model is " \
+           "deit_tiny_patch16_224 (32-dim)" in msg, msg
+
+
+def test_checkpoint_of_another_model_is_one_line(tmp_path):
+    """A DeiT-Ti checkpoint resumed into a DeiT-S (here: both narrowed): both models named with
+    their widths, each key once (not listed as missing and mismatched), no quantizer-group hint."""
+    kw = dict(patch_size=8, depth=1, num_heads=2, img_size=32, num_classes=10)
+    models.save_checkpoint(models.create_model("deit_tiny_patch16_224", embed_dim=48, **kw), tmp_path / "ti.pth")
+    small = [a if a != "deit_tiny_patch16_224" else "deit_small_patch16_224" for a in TINY]
+    msg = _cli_error(small + FAKE + ["--eval", "--resume", tmp_path / "ti.pth"])
+    assert f"{tmp_path / 'ti.pth'} does not fit the model: checkpoint is deit_tiny_patch16_224 (48-dim), " \
+           "model is deit_small_patch16_224 (32-dim); " in msg, msg
+    assert "e.g. cls_token: checkpoint (1, 1, 48) vs model (1, 1, 32)" in msg
+    assert "missing" not in msg and "quant_group" not in msg
+    # an official-style file (no recorded architecture) of another width: the same line
+    sd = models.create_model("deit_small_patch16_224", embed_dim=48, **kw).state_dict()
+    with pytest.raises(models.CheckpointError, match=r"checkpoint is of another model \(48-dim\), model is "
+                                                     r"deit_tiny_patch16_224 \(32-dim\)"):
+        models.load_checkpoint(models.create_model("deit_tiny_patch16_224", embed_dim=32, **kw), sd)
 
 
 def test_cli_error_exit_status_without_traceback():
