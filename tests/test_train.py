@@ -342,3 +342,13 @@ def test_eval_builds_no_training_split(tmp_path, capsys, monkeypatch):
     stats = run(TINY + ["--data-set", "FAKE", "--fake-size", "16", "--eval", "--resume", tmp_path / "m.pth"])
     assert splits == [False] and 0 <= stats["acc1"] <= 100
     assert "on the 16 test images" in capsys.readouterr().out
+
+
+def test_url_that_cannot_be_fetched_says_so(tmp_path):
+    url = "http://127.0.0.1:9/deit_tiny_mesa.pth"  # nothing listens on the discard port
+    msg = _cli_error(TINY + FAKE + ["--eval", "--resume", url])
+    dst = tmp_path / "torch_home" / "hub" / "checkpoints" / "deit_tiny_mesa.pth"
+    assert f"{url}: could not be downloaded (URLError" in msg and f"download it by hand to {dst}" in msg, msg
+    assert "not a readable" not in msg
+    msg = _cli_error(TINY + FAKE + ["--eval", "--resume", (tmp_path / "gone.pth").as_uri()])
+    assert "could not be downloaded" in msg
