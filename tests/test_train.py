@@ -86,6 +86,8 @@ def test_digits_with_mesa_one_epoch_then_eval(tmp_path, capsys):
                         "--warmup-epochs", "0", "--mixup", "0", "--cutmix", "0"])
     text = capsys.readouterr().out
     assert "mesa policy: fc:" in text and torch.isfinite(torch.tensor(stats["train_loss"]))
+    assert "Start training for 1 epochs (lr 0.002 as given, --unscale-lr: not scaled by the global batch " \
+           "128)" in text
     ck = torch.load(out / "checkpoint.pth", weights_only=True)
     assert all(m["enable"] for n, m in ck["meta"]["mesa"].items() if "fc" in n)
     on = {n for n, m in ck["meta"]["mesa"].items() if m["enable"]}
@@ -111,7 +113,8 @@ def test_resume_is_exact(tmp_path, capsys):
     run(common + ["--output-dir", tmp_path / "split", "--stop-after", "1"])
     assert torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=True)["epoch"] == 0
     run(common + ["--output-dir", tmp_path / "split", "--resume", tmp_path / "split" / "checkpoint.pth"])
-    assert "resumed from" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "resumed from" in text and "(lr 1.56e-05 = 0.0005 x 16 / 512)" in text
     a = torch.load(tmp_path / "straight" / "checkpoint.pth", weights_only=True)
     b = torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=True)
     assert a["epoch"] == b["epoch"] == 1

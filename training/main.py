@@ -119,6 +119,13 @@ def build_model(args, num_classes: int):
     return model
 
 
+def lr_line(lr: float, base_lr: float, global_batch: int, unscaled: bool) -> str:
+    """How the learning rate in use came about, for the start line."""
+    if unscaled:
+        return f"{lr:.3g} as given, --unscale-lr: not scaled by the global batch {global_batch}"
+    return f"{lr:.3g} = {base_lr:g} x {global_batch} / 512"
+
+
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
@@ -277,7 +284,7 @@ def _run(args, dist_info) -> dict:
     jlog = JsonLog(args.output_dir)
     if rng_to_restore is not None:
         ckpt.set_rng_states(rng_to_restore)
-    log(f"Start training for {args.epochs} epochs (lr {args.lr:.3g} = {base_lr:g} x {global_batch} / 512)")
+    log(f"Start training for {args.epochs} epochs (lr {lr_line(args.lr, base_lr, global_batch, args.unscale_lr)})")
     start = time.time()
     stats = {}
     last = args.epochs if args.stop_after is None else min(args.epochs, args.start_epoch + args.stop_after)
