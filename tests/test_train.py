@@ -17,8 +17,10 @@ import zipfile
 import pytest
 import torch
 
+import mesa_ops as ms
 import models
 import training
+from mesa_ops import planner
 from training.args import parse_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -355,3 +357,100 @@ def test_url_that_cannot_be_fetched_says_so(tmp_path):
     assert "not a readable" not in msg
     msg = _cli_error(TINY + FAKE + ["--eval", "--resume", (tmp_path / "gone.pth").as_uri()])
     assert "could not be downloaded" in msg
+
+
+# ---- memory plans that train -------------------------------------------------------------------
+DIGITS2 = [a if a != "depth=1" else "depth=2" for a in TINY] + [
+    "--data-set", "DIGITS", "--epochs", "1", "--no-tensorboard", "--print-freq", "100"]
+MiB = 2.0 ** 20
+
+
+def _exact_bytes_per_image() -> float:
+    a = training.resolve_args(parse_args(DIGITS2))
+    x = torch.randn(8, 3, 32, 32)
+    return ms.audit(training.build_model(a, 10), x, verbose=False).total_bytes / 8
+
+
+def _plan_line(text: str) -> tuple[float, float]:
+    m = re.search(r"memory plan \(.*\): predicted saved activations ([\d.]+) MiB in the forward.*, measured "
+                  r"([\d.]+) MiB in the first step's forward \(([\d.]+)x\), budget [\d.]+ MiB", text)
+    assert m, text
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_memory_budget_plans_for_the_given_batch(tmp_path, capsys):
+    budget = 0.5 * 64 * _exact_bytes_per_image()  # half of the exact run's saved bytes
+    out = tmp_path / "run"
+    stats = run(DIGITS2 + ["--batch-size", "64", "--memory-budget-gb", budget / 1e9, "--output-dir", out])
+    text = capsys.readouterr().out
+    info = planner.read_plan(str(out / "memory_plan.txt"))
+    assert info["batch_size"] == 64 and info["budget"] == int(budget)
+    pred, measured = _plan_line(text)
+    assert measured * MiB <= budget and measured <= 1.05 * pred  # the plan holds, and its prediction
+    assert measured == pytest.approx(stats["train_saved_act_mib"], abs=0.01)
+    assert re.search(r"memory plan \(.*memory_plan.txt\): batch 64, budget [\d.e-]+ GB, units ", text)
+
+
+def test_batch_size_auto_takes_the_largest_batch_that_fits(tmp_path, capsys):
+    per_image = _exact_bytes_per_image()
+    budget = 16 * per_image  # the exact model fits batch 16
+    out = tmp_path / "auto"
+    stats = run(DIGITS2 + ["--batch-size", "auto", "--memory-budget-gb", budget / 1e9, "--output-dir", out])
+    text = capsys.readouterr().out
+    batch = json.loads((out / "args.json").read_text())["batch_size"]
+    assert f"--batch-size auto: {batch}, the largest even batch" in text
+    assert batch % 2 == 0 and batch >= 2 * 16  # Mesa's saving re-invested in a larger batch
+    _, measured = _plan_line(text)
+    assert measured * MiB <= budget and stats["train_saved_act_mib"] * MiB <= budget
+    assert planner.read_plan(str(out / "memory_plan.txt"))["batch_size"] == batch
+    assert "Start training for 1 epochs (lr" in text and f"x {batch} / 512" in text
+    assert "needs --memory-budget-gb" in _cli_error(DIGITS2 + ["--batch-size", "auto"])
+
+
+def test_ms_plan_of_plan_memory_trains_and_create_model_applies_it(tmp_path, capsys):
+    """tools/plan_memory.py writes one file; tools/train.py --ms-plan applies its bits and
+    checkpointed blocks and compares the predicted saved bytes with the first step's;
+    models.create_model(ms_policy=plan) applies the same."""
+    from tools.plan_memory import main as plan_memory
+
+    per_image = _exact_bytes_per_image()
+    plan_path = tmp_path / "plan.txt"
+    plan, _ = plan_memory(["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=8", "depth=2",
+                           "embed_dim=32", "num_heads=2", "--num-classes", "10", "--input-size", "32",
+                           "--batch-size", "32", "--budget-gb", str(0.7 * 32 * per_image / 1e9),
+                           "--out", str(plan_path)])
+    assert any(plan.ckpt.values())  # exact checkpointing comes first (no error)
+    capsys.readouterr()
+    stats = run(DIGITS2 + ["--batch-size", "32", "--ms-plan", plan_path, "--output-dir", tmp_path / "run"])
+    text = capsys.readouterr().out
+    assert "mesa policy: checkpoint: " in text
+    pred, measured = _plan_line(text)
+    assert measured <= 1.05 * pred and measured * MiB <= 0.7 * 32 * per_image
+    assert torch.isfinite(torch.tensor(stats["train_loss"]))
+    m = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=2, embed_dim=32, num_heads=2,
+                            img_size=32, num_classes=10, ms_policy=str(plan_path))
+    chosen = {f"blocks.{i}": b.mesa_checkpoint for i, b in enumerate(m.blocks)
+              if getattr(b, "mesa_checkpoint", None)}
+    assert {n: ("packed8" if c[1] == 8 else "exact") for n, c in chosen.items() if c[0]} == \
+           {n: v for n, v in plan.ckpt.items() if v}
+    assert {n: (mm.bits if mm.enable else 0) for n, mm in ms.policy.mesa_layers(m)} == \
+           {n: plan.layer_bits.get(n, 0) for n, _ in ms.policy.mesa_layers(m)}
+    # a plan of another depth is refused in one line
+    other = [a if a != "depth=2" else "depth=1" for a in DIGITS2]
+    msg = _cli_error(other + ["--batch-size", "32", "--ms-plan", plan_path])
+    assert "with 2 blocks" in msg and "this model has 1 blocks" in msg
+    assert "not a memory plan" in _cli_error(DIGITS2 + ["--ms-plan", ROOT / "configs/mesa/mesa_8bit.txt"])
+
+
+def test_policy_enabling_no_layer_warns_loudly(tmp_path, capsys):
+    pol = tmp_path / "nothing.txt"
+    pol.write_text("on fc:\n    by_index: all\n    enable: False\n")
+    a = training.resolve_args(parse_args(TINY + FAKE + ["--ms-policy", str(pol)]))
+    training.build_model(a, 10)
+    err = capsys.readouterr().err
+    assert f"WARNING: --ms-policy {pol} enables no Mesa layer and checkpoints no block" in err
+    with pytest.warns(UserWarning, match="enables no Mesa layer"):
+        models.create_model("deit_tiny_patch16_224", img_size=32, depth=1, ms_policy=str(pol))
+    a = training.resolve_args(parse_args(TINY + FAKE + ["--ms-policy", str(ROOT / "configs/mesa/mesa_8bit.txt")]))
+    training.build_model(a, 10)
+    assert "WARNING" not in capsys.readouterr().err

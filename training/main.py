@@ -20,8 +20,10 @@ from timm.utils import ModelEmaV3
 import data
 import mesa_ops as ms
 import models
+from mesa_ops import planner
 
 from . import checkpoint as ckpt
+from . import memory
 from .args import args_to_dict
 from .distributed import all_gather_object, barrier, cleanup, get_rank, init_distributed_mode, is_main_process
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
@@ -31,7 +33,7 @@ __all__ = ["RUN_FILES", "UsageError", "build_model", "main", "resolve_args", "ru
 
 # what a training run writes into --output-dir (glob patterns)
 RUN_FILES = ("checkpoint.pth", "best_checkpoint.pth", "log.txt", "args.json", "events.out.tfevents.*",
-             "rank*_state.pth")
+             "rank*_state.pth", "memory_plan.txt")
 
 
 class UsageError(ValueError):
@@ -53,15 +55,38 @@ def resolve_args(args):
         raise UsageError(f"unknown model {args.model!r}; known: {', '.join(models.list_models())}")
     if args.ms_policy and not os.path.isfile(args.ms_policy):
         raise UsageError(f"--ms-policy {args.ms_policy}: no such file (the paper's are in configs/mesa/)")
+    _check_memory_args(args)
     for flag, path in (("--resume", args.resume), ("--finetune", args.finetune)):
         if path and "://" not in path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path}: no such file")
     if args.eval and not args.resume:
         raise UsageError("--eval needs --resume PATH_OR_URL (the checkpoint to evaluate)")
-    if args.batch_size < 1 or args.epochs < 1:
+    if (args.batch_size != "auto" and args.batch_size < 1) or args.epochs < 1:
         raise UsageError("--batch-size and --epochs must be >= 1")
     _check_output_dir(args)
     return args
+
+
+def _check_memory_args(args) -> None:
+    plan, budget = getattr(args, "ms_plan", None), getattr(args, "memory_budget_gb", None)
+    chosen = [f for f, v in (("--ms-policy", args.ms_policy), ("--ms-plan", plan), ("--memory-budget-gb", budget))
+              if v]
+    if len(chosen) > 1:
+        raise UsageError(f"{' and '.join(chosen)}: give one (each sets the Mesa layers and checkpointing)")
+    if (plan or budget) and args.mesa_bits:
+        raise UsageError(f"--mesa-bits with {chosen[0]}: a memory plan chooses the bits per layer")
+    if plan:
+        if not os.path.isfile(plan):
+            raise UsageError(f"--ms-plan {plan}: no such file (write one with tools/plan_memory.py --out)")
+        if planner.read_plan(plan) is None:
+            raise UsageError(f"--ms-plan {plan}: not a memory plan (no '# mesa-plan:' line; tools/plan_memory.py "
+                             "--out writes one); a plain policy file goes to --ms-policy")
+    if budget is not None and budget <= 0:
+        raise UsageError(f"--memory-budget-gb {budget:g}: must be > 0")
+    if args.batch_size == "auto" and budget is None:
+        raise UsageError("--batch-size auto needs --memory-budget-gb (the batch is the largest whose plan fits)")
+    if budget is not None and args.eval:
+        raise UsageError("--memory-budget-gb plans training memory; not with --eval")
 
 
 def run_files(output_dir: str) -> list[str]:
@@ -106,14 +131,23 @@ def build_model(args, num_classes: int):
         skip = [k for k in sd
                 if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
         models.load_checkpoint(model, sd, skip=skip, verbose=log)
-    if args.ms_policy:
-        ms.policy.deploy_on_init(model, args.ms_policy, verbose=log)
+    policy = args.ms_policy or getattr(args, "ms_plan", None)
+    if policy:
+        try:
+            planner.apply_plan(model, policy, verbose=log)
+        except planner.PlanError as exc:
+            raise UsageError(str(exc)) from exc
         if args.mesa_bits:
             for _, m in ms.policy.mesa_layers(model):
                 if m.enable:
                     m.bits = args.mesa_bits
     elif args.mesa_bits:
         models.apply_policy(model, f"mesa{args.mesa_bits}", verbose=log)
+    if policy:
+        flag = "--ms-policy" if args.ms_policy else "--ms-plan"
+        warning = memory.exact_policy_warning(model, f"{flag} {policy}")
+        if warning:
+            memory.warn_loudly(warning)
     if hasattr(ms, "set_dist_sync"):
         ms.set_dist_sync(model, not args.no_mesa_dist_sync)
     return model
@@ -201,12 +235,23 @@ def _run(args, dist_info) -> dict:
         f"device {device}, amp {args.amp}")
 
     val_set, num_classes = data.build_dataset(False, args)
-    loader_val = _val_loader(args, dist_info, val_set)
     if not args.eval:  # evaluation builds no training split
         train_set, _ = data.build_dataset(True, args)
-        loader_train, sampler_train = _train_loader(args, dist_info, train_set)
 
     model = build_model(args, num_classes).to(device)
+    plan_info = None
+    if args.memory_budget_gb is not None:
+        try:
+            mixing = args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+            _, plan_info, plan_path = memory.plan_for_budget(
+                model, args, device, limit=len(train_set) // dist_info.world_size, even=mixing)
+        except planner.PlanError as exc:
+            raise UsageError(str(exc)) from exc
+    elif args.ms_plan:
+        plan_path, plan_info = args.ms_plan, planner.read_plan(args.ms_plan)
+    loader_val = _val_loader(args, dist_info, val_set)
+    if not args.eval:
+        loader_train, sampler_train = _train_loader(args, dist_info, train_set)
     model_without_ddp = model
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
@@ -294,7 +339,9 @@ def _run(args, dist_info) -> dict:
             model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
             max_norm=args.clip_grad, model_ema=model_ema, mixup_fn=mixup_fn, print_freq=args.print_freq,
             use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp,
-            lr_scheduler=lr_scheduler if args.sched_on_updates else None)
+            lr_scheduler=lr_scheduler if args.sched_on_updates else None,
+            on_first_step=memory.first_step_report(plan_info, args.batch_size, plan_path)
+            if plan_info and epoch == args.start_epoch else None)
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
                               print_freq=args.print_freq * 10, quiet=args.tqdm)
@@ -323,7 +370,7 @@ def _run(args, dist_info) -> dict:
     tb.close()
     if args.save_rank_state and args.output_dir:
         barrier()
-        ckpt.atomic_save(models.checkpoint.add_checksum({"model": model_without_ddp.state_dict(), "rank": get_rank()}),
-                         os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
+        state = models.checkpoint.add_checksum({"model": model_without_ddp.state_dict(), "rank": get_rank()})
+        ckpt.atomic_save(state, os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
     return stats
