@@ -427,6 +427,11 @@ def test_ms_plan_of_plan_memory_trains_and_create_model_applies_it(tmp_path, cap
     pred, measured = _plan_line(text)
     assert measured <= 1.05 * pred and measured * MiB <= 0.7 * 32 * per_image
     assert torch.isfinite(torch.tensor(stats["train_loss"]))
+    assert re.search(r"\d+ Mesa layers enabled, [1-9]\d* blocks checkpointed", text)
+    # the same file as --ms-policy (the run: no checkpointing, all exact, no word) does the same
+    stats2 = run(DIGITS2 + ["--batch-size", "32", "--ms-policy", plan_path, "--output-dir", tmp_path / "run2"])
+    text2 = capsys.readouterr().out
+    assert _plan_line(text2)[1] == pytest.approx(measured) and torch.isfinite(torch.tensor(stats2["train_loss"]))
     m = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=2, embed_dim=32, num_heads=2,
                             img_size=32, num_classes=10, ms_policy=str(plan_path))
     chosen = {f"blocks.{i}": b.mesa_checkpoint for i, b in enumerate(m.blocks)

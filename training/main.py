@@ -247,15 +247,18 @@ def _run(args, dist_info) -> dict:
                 model, args, device, limit=len(train_set) // dist_info.world_size, even=mixing)
         except planner.PlanError as exc:
             raise UsageError(str(exc)) from exc
-    elif args.ms_plan:
-        plan_path, plan_info = args.ms_plan, planner.read_plan(args.ms_plan)
+    elif args.ms_plan or args.ms_policy:  # a plan given as --ms-policy is reported as well
+        plan_path = args.ms_plan or args.ms_policy
+        plan_info = planner.read_plan(plan_path)
     loader_val = _val_loader(args, dist_info, val_set)
     if not args.eval:
         loader_train, sampler_train = _train_loader(args, dist_info, train_set)
     model_without_ddp = model
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
-    log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled")
+    n_ckpt = len(planner.checkpointed_blocks(model))
+    log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled"
+        + (f", {n_ckpt} blocks checkpointed" if n_ckpt else ""))
 
     if args.eval:
         _load_weights(args, model)

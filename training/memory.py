@@ -134,8 +134,9 @@ def _describe(plan: P.Plan) -> str:
     ck = Counter(m for m in plan.ckpt.values() if m)
     units = ", ".join(f"{'exact' if b == 0 else f'{b}-bit'} {c[b]}" for b in P.BITS if c[b])
     blocks = ", ".join(f"{n} {m}" for m, n in ck.items()) or "none"
+    exact = "" if any(plan.bits.values()) or ck else " (the exact model fits: no Mesa layer needed)"
     return (f"batch {plan.batch_size}, budget {plan.budget / 1e9:g} GB, units {units}, checkpointed blocks "
-            f"{blocks}, predicted saved {format_bytes(plan.est_bytes)}")
+            f"{blocks}, predicted saved {format_bytes(plan.est_bytes)}{exact}")
 
 
 def first_step_report(info: dict, batch_size: int, source: str):
