@@ -389,6 +389,12 @@ def test_memory_budget_plans_for_the_given_batch(tmp_path, capsys):
     assert measured * MiB <= budget and measured <= 1.05 * pred  # the plan holds, and its prediction
     assert measured == pytest.approx(stats["train_saved_act_mib"], abs=0.01)
     assert re.search(r"memory plan \(.*memory_plan.txt\): batch 64, budget [\d.e-]+ GB, units ", text)
+    # the plan it wrote trains again in the same directory, afresh: --overwrite keeps the plan it reads
+    run(DIGITS2 + ["--batch-size", "64", "--ms-plan", out / "memory_plan.txt", "--output-dir", out, "--overwrite"])
+    again = capsys.readouterr().out
+    deleted = re.search(r"^--overwrite: deleted (.*) of the previous run", again, re.MULTILINE).group(1)
+    assert _plan_line(again)[1] == pytest.approx(measured) and "checkpoint.pth" in deleted
+    assert "memory_plan.txt" not in deleted and (out / "memory_plan.txt").is_file()
 
 
 def test_batch_size_auto_takes_the_largest_batch_that_fits(tmp_path, capsys):

@@ -109,9 +109,14 @@ def _check_output_dir(args) -> None:
             "those files and start afresh")
 
 
-def _clear_output_dir(output_dir: str) -> None:
-    for name in run_files(output_dir):
+def _clear_output_dir(output_dir: str, keep=()) -> list[str]:
+    """Delete the run's files, except those in ``keep`` (the plan or policy this run reads);
+    returns the names deleted."""
+    keep = {os.path.realpath(k) for k in keep if k}
+    removed = [n for n in run_files(output_dir) if os.path.realpath(os.path.join(output_dir, n)) not in keep]
+    for name in removed:
         os.unlink(os.path.join(output_dir, name))
+    return removed
 
 
 def build_model(args, num_classes: int):
@@ -226,8 +231,7 @@ def _run(args, dist_info) -> dict:
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
         if args.overwrite and not args.resume and not args.eval and not args.train_throughput:
-            removed = run_files(args.output_dir)
-            _clear_output_dir(args.output_dir)
+            removed = _clear_output_dir(args.output_dir, keep=(args.ms_plan, args.ms_policy))
             if removed:
                 log(f"--overwrite: deleted {', '.join(removed)} of the previous run in {args.output_dir}")
     barrier()
