@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
+import uuid
 
 import numpy as np
 import torch
@@ -25,11 +25,12 @@ __all__ = ["atomic_save", "build_checkpoint", "get_rng_states", "read_checkpoint
 
 def atomic_save(obj, path: str) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename (a crash never leaves a
-    truncated checkpoint)."""
+    truncated checkpoint). The file gets the mode ``open()`` gives (0666 less the umask), as every
+    other file of a run, not ``mkstemp``'s 0600."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_" + os.path.basename(path), dir=folder)
+    tmp = os.path.join(folder, f".tmp_{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
