@@ -2,8 +2,9 @@
 
     profile = measure(model, probe_input)                  # bytes, error proxy, time per option
     plan = make_plan(profile, budget_bytes, batch_size)    # fits the budget: least error, then time
-    write_plan(plan, model, 'policy.txt')                  # a policy file + 'policy.txt.json'
-    apply_plan(model, 'policy.txt')                        # bits (deploy_on_init) + checkpointing
+    write_plan(plan, model, 'plan.txt')                    # one policy file: bits + 'on checkpoint:'
+    apply_plan(model, 'plan.txt')                          # bits + checkpointing (deploy_on_init)
+    largest_batch(profile, budget_bytes, limit)            # the largest batch some plan fits
 
 What is measured and what is estimated (read before trusting a plan):
 
@@ -63,7 +64,8 @@ from .policy import TAGS, assign_indices, deploy_on_init, mesa_layers
 from .quant import Quantizer
 
 __all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "Plan", "measure", "make_plan", "write_plan",
-           "apply_plan", "verify", "checkpoint_blocks", "BITS"]
+           "read_plan", "check_plan", "apply_plan", "verify", "checkpoint_blocks", "checkpointed_blocks",
+           "largest_batch", "BITS"]
 
 BITS = (0, 8, 4, 2)  # 0 = exact (off)
 _ATTN = (SDPA, L.MatMul, L.Softmax)
@@ -114,6 +116,8 @@ class Plan:
     est_step_time: float
     layer_bits: dict = field(default_factory=dict)   # Mesa layer name -> bits
     measured: dict = field(default_factory=dict)     # filled by verify()
+    est_recompute: int = 0          # of est_bytes: the recomputation transient (the largest
+    #                                 checkpointed block's own bytes, re-created in backward)
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -447,7 +451,24 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
     by, err, tm = st.cost()
     layer_bits = {n: st.bits[u.name] for u in prof.units for n in u.layers}
     return Plan(dict(st.bits), dict(st.ckpt), batch_size, int(budget), int(by + st.reserve()), err, tm,
-                prof.step_time * scale + tm, layer_bits)
+                prof.step_time * scale + tm, layer_bits, est_recompute=int(st.reserve()))
+
+
+def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = True) -> Plan:
+    """The plan for the largest batch in 1..``limit`` that some configuration fits in ``budget``
+    (bytes scale linearly with the batch, so the batches that fit are 1..B: bisection over
+    :func:`make_plan`). Raises :class:`PlanError` when not even batch 1 fits."""
+    lo = make_plan(prof, budget, 1, checkpointing)  # raises when nothing fits
+    hi = limit + 1
+    b = 1
+    while hi - b > 1:
+        mid = (b + hi) // 2
+        try:
+            lo = make_plan(prof, budget, mid, checkpointing)
+            b = mid
+        except PlanError:
+            hi = mid
+    return lo if lo.batch_size == b else make_plan(prof, budget, b, checkpointing)
 
 
 # ---- applying and writing --------------------------------------------------------------------
@@ -504,22 +525,44 @@ def checkpoint_blocks(model: nn.Module, modes: dict) -> None:
         block.mesa_ckpt_mode = mode
 
 
+PLAN_MARK = "# mesa-plan: "  # the header line holding the plan's figures as JSON
+
+
+def _native(model: nn.Module) -> bool:
+    """This repo's models run each block through ``run_block``, which reads a policy file's
+    per-block checkpoint choice (``block.mesa_checkpoint``)."""
+    return hasattr(model, "set_grad_checkpointing") and hasattr(model, "checkpointed")
+
+
+def _layer_counts(model: nn.Module) -> dict:
+    counts: dict = {}
+    for _, m in mesa_layers(model):
+        counts[m.tag] = counts.get(m.tag, 0) + 1
+    return counts
+
+
 def write_plan(plan: Plan, model: nn.Module, path: str, header: str = "") -> str:
-    """Write ``path`` (a policy file ``--ms-policy`` / ``deploy_on_init`` accept: per tag,
-    ``by_index`` blocks of the layers at each bits) and ``path + '.json'`` (the whole plan, with
-    the checkpointed blocks, which policy files cannot express; :func:`apply_plan` reads both)."""
+    """Write the plan as one policy file: per tag, ``by_index`` blocks of the layers at each
+    bits, and an ``on checkpoint:`` section (the checkpointed blocks, by index over the '*Block'
+    modules; ``bits: 8`` for a packed input). ``--ms-policy`` / ``deploy_on_init`` /
+    ``models.create_model(ms_policy=path)`` apply both on this repo's models; ``tools/train.py
+    --ms-plan`` also compares the predicted saved bytes with the measured ones. The first lines
+    are comments; one (``# mesa-plan: {...}``) holds the figures as JSON (:func:`read_plan`)."""
     assign_indices(model)
     by_tag: dict[str, dict[int, list]] = {}
     for name, m in mesa_layers(model):
         by_tag.setdefault(m.tag, {}).setdefault(plan.layer_bits.get(name, 0), []).append(m.index)
-    ck = [f"{n}={m}" for n, m in plan.ckpt.items() if m]
+    names = list(_blocks(model))
+    ck = {n: m for n, m in plan.ckpt.items() if m}
+    info = {k: v for k, v in asdict(plan).items() if k not in ("bits", "layer_bits")}
+    info.update(ckpt=ck, header=header, blocks=len(names), layers=_layer_counts(model),
+                layers_on=sum(1 for b in plan.layer_bits.values() if b))
     lines = [f"# Mesa memory plan (mesa_ops.planner){': ' + header if header else ''}",
              f"# batch {plan.batch_size}, budget {plan.budget / 1e9:g} GB: estimated saved "
              f"{format_bytes(plan.est_bytes)}, error proxy {plan.est_error:.4f}, extra time "
              f"{plan.est_extra_time:.3f} s/step",
-             "# checkpointed blocks (NOT applied by --ms-policy / deploy_on_init, which set the bits "
-             "only; use mesa_ops.planner.apply_plan(model, this file), which reads " +
-             os.path.basename(path) + ".json): " + (" ".join(ck) if ck else "none"), ""]
+             f"# checkpointed blocks: {' '.join(f'{n}={m}' for n, m in ck.items()) or 'none'}",
+             PLAN_MARK + json.dumps(info, sort_keys=True), ""]
     for tag in TAGS:
         if tag not in by_tag:
             continue
@@ -529,24 +572,83 @@ def write_plan(plan: Plan, model: nn.Module, path: str, header: str = "") -> str
             if idx:
                 lines += [f"    by_index: {' '.join(map(str, idx))}", "    enable: True", f"    bits: {b}"]
         lines.append("")
+    if ck:
+        lines += ["on checkpoint:", "    by_index: all", "    enable: False"]
+        for mode, bits in (("exact", None), ("packed8", 8)):
+            idx = [names.index(n) for n, m in ck.items() if m == mode]
+            if idx:
+                lines += [f"    by_index: {' '.join(map(str, sorted(idx)))}", "    enable: True"]
+                lines += [f"    bits: {bits}"] if bits else []
+        lines.append("")
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
-    with open(path + ".json", "w", encoding="utf-8") as f:
-        json.dump(asdict(plan), f, indent=1)
     return path
 
 
-def apply_plan(model: nn.Module, path: str) -> dict:
-    """Apply a plan written by :func:`write_plan`: the bits through ``deploy_on_init(path)``,
-    the checkpointing from ``path + '.json'`` (when present). Returns the checkpoint modes."""
-    deploy_on_init(model, path, verbose=lambda *a: None)
-    side = path + ".json"
-    if not os.path.isfile(side):
-        return {}
-    with open(side, encoding="utf-8") as f:
-        ckpt = {k: v for k, v in json.load(f)["ckpt"].items() if v}
-    checkpoint_blocks(model, ckpt)
-    return ckpt
+def read_plan(path: str) -> dict | None:
+    """The figures of a plan file (:func:`write_plan`): ``batch_size``, ``budget``, ``est_bytes``,
+    ``ckpt`` ({block name: 'exact' / 'packed8'}), ``blocks``, ``layers`` (per tag), ... ; None for
+    a policy file that is not a plan."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(PLAN_MARK):
+                return json.loads(line[len(PLAN_MARK):])
+            if line.strip() and not line.startswith("#"):
+                return None
+    return None
+
+
+def check_plan(model: nn.Module, info: dict, path: str) -> None:
+    """A plan fits ``model`` when the model has the plan's blocks and Mesa layers per tag; else
+    :class:`PlanError` (one line: a plan of another model or depth would set the wrong layers)."""
+    names = list(_blocks(model))
+    counts = _layer_counts(model)
+    if info.get("blocks") != len(names) or info.get("layers") != counts or \
+            any(n not in names for n in info.get("ckpt", {})):
+        raise PlanError(f"{path}: a plan for {info.get('header') or 'another model'} with {info.get('blocks')} "
+                        f"blocks and Mesa layers {info.get('layers')}; this model has {len(names)} blocks and "
+                        f"{counts} (make the plan for this model: tools/plan_memory.py with the same --model, "
+                        "--model-kwargs and --input-size)")
+
+
+def apply_plan(model: nn.Module, path: str, verbose=None) -> dict:
+    """Apply a plan file (:func:`write_plan`) or any policy file: the bits through
+    ``deploy_on_init(path)``, with the checkpointed blocks (the file's ``on checkpoint:``
+    section; on models without per-block checkpointing of their own the blocks' class is
+    swapped, :func:`checkpoint_blocks`, which keeps the module and state-dict names). A plan is
+    checked against the model first (:func:`check_plan`). Returns {block name: mode} of the
+    checkpointed blocks."""
+    verbose = verbose or (lambda *a: None)
+    info = read_plan(path)
+    if info is not None:
+        check_plan(model, info, path)
+    if info is None or _native(model) or not info.get("ckpt"):
+        deploy_on_init(model, path, verbose=verbose)
+        return dict(info.get("ckpt", {})) if info else {}
+    import tempfile
+
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    with tempfile.TemporaryDirectory() as d:  # the bits part alone; the blocks by class swap
+        bits_only = os.path.join(d, os.path.basename(path))
+        with open(bits_only, "w", encoding="utf-8") as f:
+            f.write(text.split("\non checkpoint:", 1)[0])
+        deploy_on_init(model, bits_only, verbose=verbose)
+    checkpoint_blocks(model, info["ckpt"])
+    return dict(info["ckpt"])
+
+
+def checkpointed_blocks(model: nn.Module) -> list[str]:
+    """Names of the blocks that run under (compressed) checkpointing: chosen by a policy file
+    (``mesa_checkpoint``), wrapped in ``mesa_ops.checkpoint.CheckpointedBlock``, or by
+    :func:`checkpoint_blocks`."""
+    out = []
+    for name, m in model.named_modules():
+        mc = getattr(m, "mesa_checkpoint", None)
+        if (mc is not None and mc[0]) or getattr(m, "mesa_ckpt_mode", None) or \
+                type(m).__name__ == "CheckpointedBlock":
+            out.append(name)
+    return out
 
 
 def verify(model: nn.Module, plan: Plan, x: torch.Tensor, grad_error: bool = True,

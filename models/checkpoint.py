@@ -15,14 +15,23 @@ Any other missing, unexpected or mis-shaped key raises :class:`CheckpointError` 
 Position embeddings and relative-position tables of another resolution / window are resized
 (the model's ``resize_checkpoint_tensor``). Files are read with ``torch.load(weights_only=True)``
 (``argparse.Namespace`` allowed, as training scripts store their args).
+
+Integrity: every checkpoint this repo writes (:func:`save_checkpoint`, ``training.checkpoint``)
+holds ``'checksum': {'algorithm': 'sha256-tree-v1', 'value': hex}``, a SHA-256 of the payload
+(every other entry: keys, tensor dtypes, shapes and bytes, scalars), and :func:`read_checkpoint`
+verifies it (:class:`CheckpointError` naming the file on a mismatch). A file without one (the
+official DeiT / Swin / PVT checkpoints, the original Mesa code's) loads as before.
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import hashlib
 import logging
 import os
 import pickle
+import urllib.error
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +43,15 @@ from mesa_ops.quant import QuantMixin
 
 __all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint", "read_checkpoint",
            "extract_state_dict", "quantizer_keys", "resize_pos_embed", "resize_rel_pos_bias_table",
-           "FORMAT_NAME"]
+           "FORMAT_NAME", "CHECKSUM_KEY", "add_checksum", "payload_checksum", "verify_checksum",
+           "hub_cache_path"]
 
 _log = logging.getLogger("models")
 FORMAT_NAME = "mesa-repro"
 FORMAT_VERSION = 1
 QUANT_BUFFERS = ("clip_val", "shift", "iteration")
+CHECKSUM_KEY = "checksum"
+CHECKSUM_ALGORITHM = "sha256-tree-v1"
 
 
 class CheckpointError(RuntimeError):
@@ -74,17 +86,101 @@ class LoadReport:
         return "; ".join(parts)
 
 
+# ---- checksum ------------------------------------------------------------------------------------
+def _feed(h, x) -> None:
+    """Hash ``x`` into ``h``: the structure (dict keys in sorted order, list / tuple lengths), each
+    tensor's dtype, shape and bytes, each scalar's repr (exact for floats)."""
+    if isinstance(x, torch.Tensor):
+        t = x.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    elif isinstance(x, dict):
+        h.update(f"D{len(x)}".encode())
+        for k in sorted(x, key=repr):
+            h.update(f"K{k!r}".encode())
+            _feed(h, x[k])
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{'L' if isinstance(x, list) else 'U'}{len(x)}".encode())
+        for v in x:
+            _feed(h, v)
+    elif isinstance(x, argparse.Namespace):
+        _feed(h, vars(x))
+    else:
+        h.update(f"S{type(x).__name__}:{x!r}".encode())
+
+
+def payload_checksum(obj: dict) -> str:
+    """SHA-256 (hex) of a checkpoint dict's payload: every entry but ``'checksum'``."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in obj.items() if k != CHECKSUM_KEY})
+    return h.hexdigest()
+
+
+def add_checksum(obj: dict) -> dict:
+    """``obj`` with ``'checksum'`` set to its payload's :func:`payload_checksum` (in place)."""
+    obj[CHECKSUM_KEY] = {"algorithm": CHECKSUM_ALGORITHM, "value": payload_checksum(obj)}
+    return obj
+
+
+def verify_checksum(obj, source: str) -> bool:
+    """Check the stored checksum of a loaded checkpoint; True when there was one to check, False
+    for a checkpoint without one (foreign files). Raises :class:`CheckpointError` on a mismatch."""
+    if not isinstance(obj, dict):
+        return False
+    ck = obj.get(CHECKSUM_KEY)
+    if not (isinstance(ck, dict) and ck.get("algorithm") == CHECKSUM_ALGORITHM):
+        return False
+    got = payload_checksum(obj)
+    if got != ck.get("value"):
+        raise CheckpointError(
+            f"{source}: checksum mismatch, the file is corrupted (stored sha256 {str(ck.get('value'))[:12]}..., "
+            f"contents hash to {got[:12]}...); copy it again or use an earlier checkpoint")
+    return True
+
+
 # ---- reading -------------------------------------------------------------------------------------
 def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://", "file://"))
 
 
 def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True):
-    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default)."""
+    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default),
+    its checksum verified when it has one (see the module docstring). A URL is downloaded into
+    torch.hub's cache (``<torch.hub.get_dir()>/checkpoints/<file name>``) unless already there; one
+    that cannot be fetched raises :class:`CheckpointError` saying so and where a manual download
+    goes."""
     src = os.fspath(path_or_url)
+    obj = _read(src, map_location, weights_only)
+    verify_checksum(obj, src)
+    return obj
+
+
+def hub_cache_path(url: str) -> str:
+    """Where torch.hub keeps (and looks for) the download of ``url``."""
+    name = os.path.basename(urllib.parse.urlparse(url).path)
+    return os.path.join(torch.hub.get_dir(), "checkpoints", name)
+
+
+def _download(url: str) -> None:
+    dst = hub_cache_path(url)
+    if os.path.isfile(dst):
+        return
+    try:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        torch.hub.download_url_to_file(url, dst, progress=False)
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise CheckpointError(f"{url}: could not be downloaded ({type(exc).__name__}: {reason}); download "
+                              f"it by hand to {dst} (torch.hub's cache, read from there) or pass "
+                              "a local path") from exc
+
+
+def _read(src: str, map_location, weights_only: bool):
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             if _is_url(src):
+                _download(src)
                 return torch.hub.load_state_dict_from_url(src, map_location=map_location, progress=False,
                                                           weights_only=weights_only)
             if not os.path.isfile(src):
@@ -185,6 +281,44 @@ def _fmt(keys, limit=40) -> str:
     return "\n  " + "\n  ".join(keys[:limit]) + more
 
 
+def _model_name(model: nn.Module) -> str:
+    from .registry import registry_name
+
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return registry_name(str(cfg.get("architecture", ""))) or type(model).__name__
+
+
+def _other_model(model, own, sd, meta, qkeys, mismatched, missing, unexpected) -> str:
+    """One line naming both models when the checkpoint is of another model: its recorded
+    architecture differs from the model's, or (same keys) weights other than the classifier
+    differ in shape (another width); else ''. A classifier of another size or other quantizer
+    group counts keep the detailed message."""
+    ck_arch = str(meta.get("architecture") or "")
+    m_arch = _model_name(model)
+    shape_keys = [m.split(":")[0] for m in mismatched if m.split(":")[0] not in qkeys]
+    body = [k for k in shape_keys if not k.startswith(("head.", "head_dist."))]
+    other_arch = bool(ck_arch) and ck_arch != m_arch and bool(missing or unexpected or mismatched)
+    if not other_arch and not (body and not missing and not unexpected):
+        return ""
+    ck_desc, m_desc = ck_arch or "of another model", m_arch
+    first = next((k for k in own if k in body), None)
+    if first is not None:  # the width: the first dim where the first differing weight differs
+        a, b = tuple(sd[first].shape), tuple(own[first].shape)
+        dim = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if dim is not None and len(a) == len(b):
+            ck_desc = f"{ck_desc} ({a[dim]}-dim)"
+            m_desc = f"{m_desc} ({b[dim]}-dim)"
+    parts = [f"checkpoint is {ck_desc}, model is {m_desc}"]
+    if first is not None:
+        parts.append(f"{len(shape_keys)} tensors differ in shape, e.g. {first}: checkpoint "
+                     f"{tuple(sd[first].shape)} vs model {tuple(own[first].shape)}")
+    if missing:
+        parts.append(f"{len(missing)} model keys missing from the checkpoint, e.g. {missing[0]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} checkpoint keys not in the model, e.g. {unexpected[0]}")
+    return "; ".join(parts)
+
+
 def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool = True,
                     map_location="cpu", verbose=None) -> LoadReport:
     """Load ``checkpoint`` (path, URL or an already loaded dict) into ``model``; see the module
@@ -230,11 +364,14 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
-    missing = [k for k in own if k not in to_load and k not in skipped and k not in derived]
+    missing = [k for k in own if k not in sd and k not in skipped and k not in derived]
     report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)
     missing_other = [k for k in missing if k not in qkeys]
     report.derived_keys = sorted(k for k in derived if k in own)
 
+    wrong = _other_model(model, own, sd, meta, qkeys, mismatched, missing_other, unexpected)
+    if wrong:
+        raise CheckpointError(f"{source} does not fit the model: {wrong}")
     problems = []
     if missing_other:
         problems.append(f"missing from the checkpoint ({len(missing_other)}):{_fmt(missing_other)}")
@@ -242,7 +379,7 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
         problems.append(f"not in the model ({len(unexpected)}):{_fmt(unexpected)}")
     if mismatched:
         hint = ""
-        if any(k.split(":")[0] in qkeys for k in mismatched):
+        if all(k.split(":")[0] in qkeys for k in mismatched):
             hint = ("\n(quantizer group counts differ: build the model with the quant_groups / "
                     "quant_group_size the checkpoint was trained with, e.g. quant_group_size=32 for "
                     "the original Swin demo)")
@@ -262,8 +399,8 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
 
 
 def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
-    """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra}``, readable
-    with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
+    """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra, 'checksum'}``,
+    readable with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
     layer, whether it was enabled and at how many bits."""
     from .registry import registry_name
 
@@ -275,8 +412,8 @@ def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
             "class": type(model).__name__, "mesa": mesa}
     obj = {"model": model.state_dict(), "meta": meta}
     if extra:
-        clash = set(extra) & set(obj)
+        clash = set(extra) & (set(obj) | {CHECKSUM_KEY})
         if clash:
             raise ValueError(f"save_checkpoint: extra keys {sorted(clash)} are reserved")
         obj.update(extra)
-    torch.save(obj, os.fspath(path))
+    torch.save(add_checksum(obj), os.fspath(path))

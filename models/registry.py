@@ -8,14 +8,18 @@ Each model is also registered with timm as ``mesa_<name>`` (``timm.create_model(
 
 ``ms_policy``: None / False / "off" (Mesa layers stay disabled: the model computes exactly as
 plain ``nn``), "mesa8" / "mesa4" / "mesa2" (``fc, matmul, gelu, layernorm, softmax`` at that
-many bits, as ``configs/mesa/mesa_<b>bit.txt``), a policy file path (``ms.policy.deploy_on_init``)
-or a dict of :func:`mesa_ops.policy.set_mesa` arguments (e.g. ``{"bits": 4, "tags": ["fc"]}``).
+many bits, as ``configs/mesa/mesa_<b>bit.txt``), a policy file path (``ms.policy.deploy_on_init``;
+a memory plan of ``tools/plan_memory.py`` is one: bits per layer and ``on checkpoint:`` blocks,
+checked against the model) or a dict of :func:`mesa_ops.policy.set_mesa` arguments (e.g.
+``{"bits": 4, "tags": ["fc"]}``). A policy file that enables no Mesa layer and checkpoints no
+block warns (``UserWarning``): the model then trains exactly.
 """
 from __future__ import annotations
 
 import fnmatch
 import logging
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -171,7 +175,12 @@ def apply_policy(model: nn.Module, ms_policy, verbose=None) -> nn.Module:
     elif isinstance(ms_policy, str) and ms_policy in _SHORTHANDS:
         ms.policy.set_mesa(model, enable=True, bits=_SHORTHANDS[ms_policy], tags=MESA_TAGS)
     elif isinstance(ms_policy, (str, os.PathLike)) and os.path.isfile(ms_policy):
-        ms.policy.deploy_on_init(model, os.fspath(ms_policy), verbose=verbose)
+        from mesa_ops import planner
+
+        planner.apply_plan(model, os.fspath(ms_policy), verbose=verbose)  # (any policy file)
+        if not any(m.enable for _, m in ms.policy.mesa_layers(model)) and not planner.checkpointed_blocks(model):
+            warnings.warn(f"ms_policy={os.fspath(ms_policy)!r} enables no Mesa layer and checkpoints no block: "
+                          "the model trains exactly, saving no activation memory", UserWarning, stacklevel=2)
     else:
         raise ValueError(f"ms_policy={ms_policy!r}: expected None, 'off', "
                          f"{', '.join(map(repr, _SHORTHANDS))}, a dict of ms.policy.set_mesa "

@@ -131,3 +131,29 @@ def test_checkpoint_selection_from_a_policy_file(tmp_path):
         bad.write_text("on checkpoint:\n" + extra)
         with pytest.raises(ms.policy.PolicyError, match=rf"bad.txt:2: .*{msg}"):
             models.create_model("deit_tiny_patch16_224", ms_policy=str(bad), **kw)
+
+
+def test_reentrant_checkpoint_updates_the_quantizers_once_as_without_checkpointing():
+    """torch.utils.checkpoint(use_reentrant=True) (timm's checkpoint_seq, checkpoint_wrapper in
+    REENTRANT mode) runs the forward under no_grad (no Mesa layer quantizes there) and
+    recomputes it in backward: that recomputation updates the running ranges, once, so the
+    quantizer state and gradients equal those of the step without checkpointing."""
+    import torch.utils.checkpoint as C
+
+    def make():
+        torch.manual_seed(0)
+        return models.create_model("deit_tiny_patch16_224", patch_size=8, depth=2, embed_dim=32, num_heads=2,
+                                   img_size=32, num_classes=10, ms_policy="mesa8").train()
+
+    x = torch.randn(4, 3, 32, 32)
+    plain = make()
+    plain(x).sum().backward()
+    ck = make()
+    for blk in ck.blocks:
+        blk.forward = (lambda f: lambda *a: C.checkpoint(f, *a, use_reentrant=True))(blk.forward)
+    ck(x.clone().requires_grad_()).sum().backward()
+    sa, sb = plain.state_dict(), ck.state_dict()
+    assert [k for k in sa if not torch.equal(sa[k], sb[k])] == []
+    assert float(sb["blocks.0.norm1.iteration"]) == 1
+    for (n, p), q in zip(plain.named_parameters(), ck.parameters()):
+        assert torch.equal(p.grad, q.grad), n

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
+import torch
 
 import models.seg  # noqa: F401
 from data.ade20k import make_synthetic_ade20k
@@ -110,3 +113,65 @@ def test_seg_train_step_saved_activations(config, crop):
 
 def test_seg_configs_listed():
     assert len(glob.glob(os.path.join(REPO, "configs/seg/*.py"))) == 14
+
+
+# ---- the tools' bad-input errors: one line, exit status 1, before the Runner is built ----------
+def _tool_error(tool: str, argv) -> str:
+    import runpy
+
+    main = runpy.run_path(os.path.join(REPO, "tools", tool), run_name="tool_under_test")["main"]
+    with pytest.raises(SystemExit) as exc:
+        main([str(a) for a in argv])
+    msg = exc.value.code
+    assert isinstance(msg, str) and msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def _roots(root) -> list:
+    return ["--cfg-options"] + [f"{d}.dataset.data_root={root}"
+                                for d in ("train_dataloader", "val_dataloader", "test_dataloader")]
+
+
+def test_tools_missing_ade20k_is_one_line_with_the_layout(tmp_path, capsys):
+    root = tmp_path / "ade" / "ADEChallengeData2016"
+    msg = _tool_error("seg_train.py", [PVT_MESA, "--work-dir", tmp_path / "w"] + _roots(root))
+    assert f"ADE20K not found (train_dataloader): no directory {root}/images/training" in msg, msg
+    assert f"expected {root}/images/training/*.jpg with {root}/annotations/training/*.png" in msg
+    assert "python -m data.ade20k DIR" in msg and "--synthetic" in msg and "ADEChallengeData2016.zip" in msg
+    assert "Environment" not in capsys.readouterr().out  # failed before the Runner's environment dump
+    ck = tmp_path / "c.pth"
+    torch.save({"state_dict": {}}, ck)
+    msg = _tool_error("seg_test.py", [PVT_MESA, ck, "--work-dir", tmp_path / "w"] + _roots(root))
+    assert "ADE20K not found (test_dataloader)" in msg
+    # the layout checker the message points at
+    from data.ade20k import main as check
+
+    with pytest.raises(SystemExit, match="missing directory"):
+        check([str(root)])
+    check([str(root), "--synthetic"])
+    assert "ADE20K layout ok, training 4 image/label pairs, validation 2" in capsys.readouterr().out
+
+
+def test_tools_truncated_checkpoint_is_one_line(ade_root, tmp_path):
+    full = tmp_path / "iter_2.pth"
+    torch.save({"state_dict": {"w": torch.randn(64, 64)}, "meta": {}}, full)
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(full.read_bytes()[: full.stat().st_size // 2])
+    msg = _tool_error("seg_test.py", [PVT_MESA, cut, "--work-dir", tmp_path / "w"] + _roots(ade_root))
+    assert f"checkpoint {cut}: not a readable PyTorch checkpoint" in msg and "truncated" in msg, msg
+    msg = _tool_error("seg_train.py", [PVT_MESA, "--resume", cut, "--work-dir", tmp_path / "w"] + _roots(ade_root))
+    assert f"--resume checkpoint {cut}: not a readable" in msg
+    # --resume alone: the work dir's last checkpoint, checked the same way
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "last_checkpoint").write_text(str(cut))
+    msg = _tool_error("seg_train.py", [PVT_MESA, "--resume", "--work-dir", tmp_path / "w"] + _roots(ade_root))
+    assert f"--resume checkpoint {cut}: not a readable" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="--amp is refused only without CUDA")
+def test_tools_amp_on_cpu_is_one_line_exit_1(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(REPO, "tools", "seg_train.py"), PVT_MESA, "--amp",
+                        "--work-dir", str(tmp_path / "w")], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == ("error: --amp needs a CUDA device: mmengine's AmpOptimWrapper (fp16 with a "
+                                "dynamic loss scale) does not run on CPU"), p.stderr

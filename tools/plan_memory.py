@@ -4,11 +4,12 @@
         --batch-size 64 --budget-gb 2 --out plan.txt
 
 Measures the model at ``--probe-batch`` (bytes scaled linearly to ``--batch-size``; see
-``mesa_ops.planner`` for what is measured and what is estimated), plans, writes ``--out`` (a
-policy file for ``--ms-policy`` / ``ms.policy.deploy_on_init``: the bits) and ``--out``.json (the
-whole plan, with the checkpointed blocks: ``mesa_ops.planner.apply_plan(model, out)`` applies
-both), then measures the planned configuration. Exits with status 2 and the reason when no
-configuration fits the budget.
+``mesa_ops.planner`` for what is measured and what is estimated), plans, writes ``--out``: one
+policy file with the bits per layer and an ``on checkpoint:`` section (the checkpointed blocks),
+which ``tools/train.py --ms-plan`` (or ``--ms-policy``), ``models.create_model(ms_policy=out)`` and
+``mesa_ops.planner.apply_plan`` apply; then measures the planned configuration. For a model of
+tools/train.py pass the same ``--model-kwargs`` and ``--num-classes``. Exits with status 2 and
+the reason when no configuration fits the budget.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import sys
 
 import torch
+from timm.utils import ParseKwargs
 
 import models  # noqa: F401  (registers this repo's models with timm as mesa_<name>)
 from mesa_ops import planner as P
@@ -26,6 +28,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="this repo's model, a timm model, or timm:<name>")
     ap.add_argument("--input-size", type=int, default=224)
+    ap.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="KEY=VALUE",
+                    help="model constructor arguments, as tools/train.py's (e.g. depth=4 embed_dim=96)")
+    ap.add_argument("--num-classes", type=int, default=None, help="classifier size (default: the model's)")
     ap.add_argument("--batch-size", type=int, required=True)
     ap.add_argument("--budget-gb", type=float, required=True, 
                     help="saved-activation budget, 1 GB = 1e9 bytes")
@@ -33,12 +38,15 @@ def main(argv=None):
     ap.add_argument("--verify-batch", type=int, default=None,
                     help="batch at which the planned configuration is measured (default: --batch-size; "
                          "bytes are scaled linearly when smaller)")
-    ap.add_argument("--out", default=None, help="write the policy file here (and <out>.json)")
+    ap.add_argument("--out", default=None, help="write the plan here (one policy file)")
     ap.add_argument("--no-checkpoint", action="store_true", help="choose bits only (no block checkpointing)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
-    model = build_model(args.model, "off", img_size=args.input_size)
+    kw = dict(args.model_kwargs or {})
+    if args.num_classes is not None:
+        kw["num_classes"] = args.num_classes
+    model = build_model(args.model, "off", img_size=args.input_size, **kw)
     s = args.input_size
     probe = torch.randn(args.probe_batch or min(args.batch_size, 2), 3, s, s)
     prof = P.measure(model, probe)
@@ -53,7 +61,7 @@ def main(argv=None):
     print(P.summary(plan, prof, header=f"{args.model}, {s} px"))
     if args.out:
         P.write_plan(plan, model, args.out, header=f"{args.model}, {s} px")
-        print(f"wrote {args.out} and {args.out}.json")
+        print(f"wrote {args.out} (tools/train.py --ms-plan {args.out})")
     return plan, got
 
 

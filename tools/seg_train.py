@@ -7,10 +7,11 @@ tools/train.py), e.g.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mmengine.config import DictAction
 
-from models.seg import build_config, run_train
+from models.seg import KNOWN_ERRORS, build_config, run_train
 from models.seg.runner import LAUNCHERS
 
 
@@ -28,9 +29,12 @@ def main(argv=None) -> None:
     ap.add_argument("--launcher", choices=LAUNCHERS, default="none", help="job launcher")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    cfg = build_config(args.config, work_dir=args.work_dir, amp=args.amp, resume=args.resume,
-                       cfg_options=args.cfg_options, launcher=args.launcher)
-    run_train(cfg)
+    try:
+        cfg = build_config(args.config, work_dir=args.work_dir, amp=args.amp, resume=args.resume,
+                           cfg_options=args.cfg_options, launcher=args.launcher)
+        run_train(cfg)
+    except KNOWN_ERRORS as exc:  # bad input: one line, exit status 1
+        sys.exit(f"error: {exc}")
 
 
 if __name__ == "__main__":

@@ -33,13 +33,24 @@ class _Parser:
         return self.group.add_argument(*names, **kw)
 
 
+def _batch_size(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         "Mesa training and evaluation (DeiT recipe)", add_help=add_help,
         description="Train or evaluate a DeiT / Swin / PVT classifier, exact or with Mesa. "
                     "Options accept dashes or underscores (--output-dir / --output_dir).")
     g = _Parser(parser.add_argument_group("run"))
-    g.add("--batch-size", type=int, default=64, help="per-process batch size (default 64)")
+    g.add("--batch-size", type=_batch_size, default=64,
+          help="per-process batch size (default 64); 'auto' with --memory-budget-gb: the largest batch "
+               "whose memory plan fits")
     g.add("--epochs", type=int, default=300)
     g.add("--stop-after", type=int, default=None, metavar="N",
           help="stop after N epochs of this run (e.g. a job time limit); continue with --resume")
@@ -65,6 +76,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--mesa-bits", type=int, default=None, choices=(8, 4, 2),
           help="without --ms-policy: Mesa on fc, matmul, gelu, layernorm, softmax at this many bits; "
                "with it: the bits of the layers the policy enables")
+    g.add("--ms-plan", default=None, metavar="FILE",
+          help="a memory plan of tools/plan_memory.py (bits per layer, checkpointed blocks), applied as "
+               "--ms-policy is; its predicted saved bytes are compared with the first step's")
+    g.add("--memory-budget-gb", type=float, default=None, metavar="GB",
+          help="plan Mesa bits and block checkpointing here so that one step's saved activations fit "
+               "GB (1e9 bytes, per process) at --batch-size (or the largest batch: --batch-size auto); "
+               "the plan goes to <output-dir>/memory_plan.txt")
     g.add("--no-mesa-dist-sync", action="store_true",
           help="do not all-reduce the quantizers' range statistics across ranks before the EMA update")
 
@@ -118,7 +136,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--no-pin-mem", action="store_false", dest="pin_mem")
 
     g = _Parser(parser.add_argument_group("run control and output"))
-    g.add("--output-dir", default="", help="where checkpoints, log.txt, args.json, tensorboard go")
+    g.add("--output-dir", default="", help="where checkpoints, log.txt, args.json, tensorboard go; a "
+          "directory that holds a run already needs --resume (continue it) or --overwrite")
+    g.add("--overwrite", action="store_true",
+          help="start afresh in an --output-dir that holds a run: its run files are deleted first")
     g.add("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     g.add("--amp", default=None, choices=("fp16", "bf16", "none"),
           help="autocast precision (default: fp16 on CUDA, none on CPU)")

@@ -4,31 +4,33 @@ everything an exact resume needs.
 A checkpoint is ``{'model', 'meta'}`` (as :func:`models.save_checkpoint`: weights with the Mesa
 quantizer state) plus ``optimizer``, ``lr_scheduler``, ``scaler``, ``model_ema``, ``epoch``,
 ``max_accuracy``, ``args`` (a plain dict) and ``rng``: per rank, the torch (CPU and CUDA), numpy,
-python and Mesa stochastic-rounding generator states.
+python and Mesa stochastic-rounding generator states; and ``checksum``, the SHA-256 of all that
+(:func:`models.checkpoint.add_checksum`), verified by :func:`read_checkpoint`.
 """
 from __future__ import annotations
 
 import os
 import random
-import tempfile
+import uuid
 
 import numpy as np
 import torch
 
 import mesa_ops as ms
 from mesa_ops.layers import MESA_LAYERS
-from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
+from models.checkpoint import FORMAT_NAME, FORMAT_VERSION, add_checksum, read_checkpoint
 
 __all__ = ["atomic_save", "build_checkpoint", "get_rng_states", "read_checkpoint", "set_rng_states"]
 
 
 def atomic_save(obj, path: str) -> None:
     """``torch.save`` to a temporary file in the same folder, then rename (a crash never leaves a
-    truncated checkpoint)."""
+    truncated checkpoint). The file gets the mode ``open()`` gives (0666 less the umask), as every
+    other file of a run, not ``mkstemp``'s 0600."""
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp_" + os.path.basename(path), dir=folder)
+    tmp = os.path.join(folder, f".tmp_{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -54,7 +56,7 @@ def build_checkpoint(model, *, optimizer, lr_scheduler, scaler, model_ema, epoch
            "max_accuracy": float(max_accuracy), "args": args, "rng": rng}
     if model_ema is not None:
         obj["model_ema"] = model_ema.state_dict()
-    return obj
+    return add_checksum(obj)
 
 
 def get_rng_states() -> dict:

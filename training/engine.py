@@ -73,12 +73,14 @@ def _loss(criterion, outputs, targets):
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int, loss_scaler,
                     amp: str = "none", max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10,
                     use_tqdm: bool = False,
-                    tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None) -> dict:
+                    tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None,
+                    on_first_step=None) -> dict:
     """One pass over ``data_loader``. Returns the epoch's averages: ``loss, lr, img/s,
     step_ms`` (forward + backward + update, data loading excluded), ``max_mem_mb`` and
     ``saved_act_mib`` (bytes autograd held for backward in the epoch's first step, measured with
     :class:`mesa_ops.SavedActivationMeter` on ``meter_model``, the model without DDP).
-    ``lr_scheduler``: given, it is stepped after every update (``step_update``)."""
+    ``lr_scheduler``: given, it is stepped after every update (``step_update``). ``on_first_step``:
+    given, called with the first step's saved bytes (e.g. to compare them with a memory plan)."""
     model.train()
     ml = MetricLogger(device=device)
     ml.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.6f}"))
@@ -100,6 +102,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
             loss = _loss(criterion, outputs, targets)
         if i == 0:
             saved = meter.total_bytes / MiB
+            if on_first_step is not None:
+                on_first_step(meter.total_bytes)
         loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise TrainingError(f"loss is {loss_value} at epoch {epoch}, step {i}; stopping")

@@ -4,6 +4,7 @@ training (``--train-throughput``)."""
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import random
 import time
@@ -19,14 +20,20 @@ from timm.utils import ModelEmaV3
 import data
 import mesa_ops as ms
 import models
+from mesa_ops import planner
 
 from . import checkpoint as ckpt
+from . import memory
 from .args import args_to_dict
 from .distributed import all_gather_object, barrier, cleanup, get_rank, init_distributed_mode, is_main_process
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
 from .logs import JsonLog, TensorBoard, log, save_args
 
-__all__ = ["UsageError", "build_model", "build_optimizer", "main", "resolve_args"]
+__all__ = ["RUN_FILES", "UsageError", "build_model", "build_optimizer", "main", "resolve_args", "run_files"]
+
+# what a training run writes into --output-dir (glob patterns)
+RUN_FILES = ("checkpoint.pth", "best_checkpoint.pth", "log.txt", "args.json", "events.out.tfevents.*",
+             "rank*_state.pth", "memory_plan.txt")
 
 
 class UsageError(ValueError):
@@ -48,14 +55,68 @@ def resolve_args(args):
         raise UsageError(f"unknown model {args.model!r}; known: {', '.join(models.list_models())}")
     if args.ms_policy and not os.path.isfile(args.ms_policy):
         raise UsageError(f"--ms-policy {args.ms_policy}: no such file (the paper's are in configs/mesa/)")
+    _check_memory_args(args)
     for flag, path in (("--resume", args.resume), ("--finetune", args.finetune)):
         if path and "://" not in path and not os.path.isfile(path):
             raise UsageError(f"{flag} {path}: no such file")
     if args.eval and not args.resume:
         raise UsageError("--eval needs --resume PATH_OR_URL (the checkpoint to evaluate)")
-    if args.batch_size < 1 or args.epochs < 1:
+    if (args.batch_size != "auto" and args.batch_size < 1) or args.epochs < 1:
         raise UsageError("--batch-size and --epochs must be >= 1")
+    _check_output_dir(args)
     return args
+
+
+def _check_memory_args(args) -> None:
+    plan, budget = getattr(args, "ms_plan", None), getattr(args, "memory_budget_gb", None)
+    chosen = [f for f, v in (("--ms-policy", args.ms_policy), ("--ms-plan", plan), ("--memory-budget-gb", budget))
+              if v]
+    if len(chosen) > 1:
+        raise UsageError(f"{' and '.join(chosen)}: give one (each sets the Mesa layers and checkpointing)")
+    if (plan or budget) and args.mesa_bits:
+        raise UsageError(f"--mesa-bits with {chosen[0]}: a memory plan chooses the bits per layer")
+    if plan:
+        if not os.path.isfile(plan):
+            raise UsageError(f"--ms-plan {plan}: no such file (write one with tools/plan_memory.py --out)")
+        if planner.read_plan(plan) is None:
+            raise UsageError(f"--ms-plan {plan}: not a memory plan (no '# mesa-plan:' line; tools/plan_memory.py "
+                             "--out writes one); a plain policy file goes to --ms-policy")
+    if budget is not None and budget <= 0:
+        raise UsageError(f"--memory-budget-gb {budget:g}: must be > 0")
+    if args.batch_size == "auto" and budget is None:
+        raise UsageError("--batch-size auto needs --memory-budget-gb (the batch is the largest whose plan fits)")
+    if budget is not None and args.eval:
+        raise UsageError("--memory-budget-gb plans training memory; not with --eval")
+
+
+def run_files(output_dir: str) -> list[str]:
+    """The files of a training run in ``output_dir`` (:data:`RUN_FILES`), sorted by name."""
+    if not output_dir or not os.path.isdir(output_dir):
+        return []
+    return sorted({os.path.basename(p) for pat in RUN_FILES for p in glob.glob(os.path.join(output_dir, pat))})
+
+
+def _check_output_dir(args) -> None:
+    """An --output-dir holding a run is continued (--resume) or started afresh (--overwrite),
+    never silently mixed with a new run (evaluation and --train-throughput write nothing)."""
+    if args.eval or args.train_throughput or args.resume or args.overwrite:
+        return
+    found = run_files(args.output_dir)
+    if found:
+        raise UsageError(
+            f"--output-dir {args.output_dir} holds a run already ({', '.join(found)}): continue it with "
+            f"--resume {os.path.join(args.output_dir, 'checkpoint.pth')}, or pass --overwrite to delete "
+            "those files and start afresh")
+
+
+def _clear_output_dir(output_dir: str, keep=()) -> list[str]:
+    """Delete the run's files, except those in ``keep`` (the plan or policy this run reads);
+    returns the names deleted."""
+    keep = {os.path.realpath(k) for k in keep if k}
+    removed = [n for n in run_files(output_dir) if os.path.realpath(os.path.join(output_dir, n)) not in keep]
+    for name in removed:
+        os.unlink(os.path.join(output_dir, name))
+    return removed
 
 
 def build_model(args, num_classes: int):
@@ -75,14 +136,23 @@ def build_model(args, num_classes: int):
         skip = [k for k in sd
                 if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
         models.load_checkpoint(model, sd, skip=skip, verbose=log)
-    if args.ms_policy:
-        ms.policy.deploy_on_init(model, args.ms_policy, verbose=log)
+    policy = args.ms_policy or getattr(args, "ms_plan", None)
+    if policy:
+        try:
+            planner.apply_plan(model, policy, verbose=log)
+        except planner.PlanError as exc:
+            raise UsageError(str(exc)) from exc
         if args.mesa_bits:
             for _, m in ms.policy.mesa_layers(model):
                 if m.enable:
                     m.bits = args.mesa_bits
     elif args.mesa_bits:
         models.apply_policy(model, f"mesa{args.mesa_bits}", verbose=log)
+    if policy:
+        flag = "--ms-policy" if args.ms_policy else "--ms-plan"
+        warning = memory.exact_policy_warning(model, f"{flag} {policy}")
+        if warning:
+            memory.warn_loudly(warning)
     if hasattr(ms, "set_dist_sync"):
         ms.set_dist_sync(model, not args.no_mesa_dist_sync)
     return model
@@ -104,34 +174,59 @@ def build_optimizer(args, model, updates_per_epoch: int):
     return optimizer, lr_scheduler
 
 
+def lr_line(lr: float, base_lr: float, global_batch: int, unscaled: bool) -> str:
+    """How the learning rate in use came about, for the start line."""
+    if unscaled:
+        return f"{lr:.3g} as given, --unscale-lr: not scaled by the global batch {global_batch}"
+    return f"{lr:.3g} = {base_lr:g} x {global_batch} / 512"
+
+
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
 
 
-def _loaders(args, dist_info, train_set, val_set):
+def _common(args) -> dict:
+    return dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
+                persistent_workers=False)
+
+
+def _train_loader(args, dist_info, train_set):
     world, rank = dist_info.world_size, dist_info.rank
     if dist_info.distributed and args.repeated_aug:
         sampler_train = data.RASampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
     else:  # DistributedSampler also for one process: its order depends on seed + epoch only
         sampler_train = torch.utils.data.DistributedSampler(train_set, num_replicas=world, rank=rank,
                                                             shuffle=True, seed=args.seed)
-    if dist_info.distributed and args.dist_eval:
-        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=world, rank=rank,
-                                                          shuffle=False)
-    else:
-        sampler_val = torch.utils.data.SequentialSampler(val_set)
-    common = dict(num_workers=args.num_workers, pin_memory=args.pin_mem and args.device.startswith("cuda"),
-                  persistent_workers=False)
     if len(sampler_train) < args.batch_size:
         raise UsageError(f"--batch-size {args.batch_size} is larger than this rank's "
                          f"{len(sampler_train)} training images")
     train = torch.utils.data.DataLoader(train_set, sampler=sampler_train, batch_size=args.batch_size,
-                                        drop_last=True, **common)
-    val = torch.utils.data.DataLoader(val_set, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
-                                      drop_last=False, **common)
-    return train, val, sampler_train
+                                        drop_last=True, **_common(args))
+    return train, sampler_train
+
+
+def _val_loader(args, dist_info, val_set):
+    if dist_info.distributed and args.dist_eval:
+        sampler_val = torch.utils.data.DistributedSampler(val_set, num_replicas=dist_info.world_size,
+                                                          rank=dist_info.rank, shuffle=False)
+    else:
+        sampler_val = torch.utils.data.SequentialSampler(val_set)
+    return torch.utils.data.DataLoader(val_set, sampler=sampler_val, batch_size=int(1.5 * args.batch_size),
+                                       drop_last=False, **_common(args))
+
+
+def _load_weights(args, model):
+    """Load ``--resume`` into ``model``; returns the checkpoint object."""
+    obj = ckpt.read_checkpoint(args.resume)
+    try:
+        report = models.load_checkpoint(model, obj, verbose=lambda *_: None)
+    except models.CheckpointError as exc:
+        raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
+    report.source = args.resume
+    log(report.summary())
+    return obj
 
 
 def main(args) -> dict:
@@ -151,21 +246,48 @@ def _run(args, dist_info) -> dict:
     _seed(args.seed + dist_info.rank)
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
+        if args.overwrite and not args.resume and not args.eval and not args.train_throughput:
+            removed = _clear_output_dir(args.output_dir, keep=(args.ms_plan, args.ms_policy))
+            if removed:
+                log(f"--overwrite: deleted {', '.join(removed)} of the previous run in {args.output_dir}")
+    barrier()
     log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
         f"device {device}, amp {args.amp}")
 
-    train_set, num_classes = data.build_dataset(True, args)
-    val_set, _ = data.build_dataset(False, args)
-    loader_train, loader_val, sampler_train = _loaders(args, dist_info, train_set, val_set)
+    val_set, num_classes = data.build_dataset(False, args)
+    if not args.eval:  # evaluation builds no training split
+        train_set, _ = data.build_dataset(True, args)
 
     model = build_model(args, num_classes).to(device)
+    plan_info = None
+    if args.memory_budget_gb is not None:
+        try:
+            mixing = args.mixup > 0 or args.cutmix > 0 or args.cutmix_minmax is not None
+            _, plan_info, plan_path = memory.plan_for_budget(
+                model, args, device, limit=len(train_set) // dist_info.world_size, even=mixing)
+        except planner.PlanError as exc:
+            raise UsageError(str(exc)) from exc
+    elif args.ms_plan or args.ms_policy:  # a plan given as --ms-policy is reported as well
+        plan_path = args.ms_plan or args.ms_policy
+        plan_info = planner.read_plan(plan_path)
+    loader_val = _val_loader(args, dist_info, val_set)
+    if not args.eval:
+        loader_train, sampler_train = _train_loader(args, dist_info, train_set)
     model_without_ddp = model
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
-    log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled")
+    n_ckpt = len(planner.checkpointed_blocks(model))
+    log(f"model {args.model}: {n_params / 1e6:.2f}M parameters, {n_mesa} Mesa layers enabled"
+        + (f", {n_ckpt} blocks checkpointed" if n_ckpt else ""))
+
+    if args.eval:
+        _load_weights(args, model)
+        stats = evaluate(loader_val, model, device, args.amp, num_classes, use_tqdm=args.tqdm)
+        log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
+        return stats
 
     model_ema = None
-    if args.model_ema and not args.eval:
+    if args.model_ema:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
                                device="cpu" if args.model_ema_force_cpu else None)
     if dist_info.distributed:
@@ -200,14 +322,8 @@ def _run(args, dist_info) -> dict:
     max_accuracy = 0.0
     rng_to_restore = None
     if args.resume:
-        obj = ckpt.read_checkpoint(args.resume)
-        try:
-            report = models.load_checkpoint(model_without_ddp, obj, verbose=lambda *_: None)
-        except models.CheckpointError as exc:
-            raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
-        report.source = args.resume
-        log(report.summary())
-        if not args.eval and isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
+        obj = _load_weights(args, model_without_ddp)
+        if isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
             optimizer.load_state_dict(obj["optimizer"])
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
             loss_scaler.load_state_dict(obj.get("scaler", {}))
@@ -221,12 +337,8 @@ def _run(args, dist_info) -> dict:
             else:
                 log(f"resume: the checkpoint holds RNG states of {len(rng)} ranks, this run has "
                     f"{dist_info.world_size}: random streams restart from --seed")
-            log(f"resumed from {report.source} at epoch {args.start_epoch}")
+            log(f"resumed from {args.resume} at epoch {args.start_epoch}")
 
-    if args.eval:
-        stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes, use_tqdm=args.tqdm)
-        log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
-        return stats
     if args.train_throughput:
         return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
                                 mixup_fn)
@@ -237,7 +349,7 @@ def _run(args, dist_info) -> dict:
     jlog = JsonLog(args.output_dir)
     if rng_to_restore is not None:
         ckpt.set_rng_states(rng_to_restore)
-    log(f"Start training for {args.epochs} epochs (lr {args.lr:.3g} = {base_lr:g} x {global_batch} / 512)")
+    log(f"Start training for {args.epochs} epochs (lr {lr_line(args.lr, base_lr, global_batch, args.unscale_lr)})")
     start = time.time()
     stats = {}
     last = args.epochs if args.stop_after is None else min(args.epochs, args.start_epoch + args.stop_after)
@@ -247,7 +359,9 @@ def _run(args, dist_info) -> dict:
             model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
             max_norm=args.clip_grad, model_ema=model_ema, mixup_fn=mixup_fn, print_freq=args.print_freq,
             use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp,
-            lr_scheduler=lr_scheduler if args.sched_on_updates else None)
+            lr_scheduler=lr_scheduler if args.sched_on_updates else None,
+            on_first_step=memory.first_step_report(plan_info, args.batch_size, plan_path)
+            if plan_info and epoch == args.start_epoch else None)
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
                               print_freq=args.print_freq * 10, quiet=args.tqdm)
@@ -276,7 +390,7 @@ def _run(args, dist_info) -> dict:
     tb.close()
     if args.save_rank_state and args.output_dir:
         barrier()
-        torch.save({"model": model_without_ddp.state_dict(), "rank": get_rank()},
-                   os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
+        state = models.checkpoint.add_checksum({"model": model_without_ddp.state_dict(), "rank": get_rank()})
+        ckpt.atomic_save(state, os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
     return stats

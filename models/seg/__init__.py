@@ -18,8 +18,12 @@ mmcv_ext_stub.install()
 import mmseg.models  # noqa: E402,F401  (registers mmseg's heads, necks, losses, segmentors)
 
 from .backbones import MesaCompressed, MesaPVT, MesaSwinTransformer, resolve_policy  # noqa: E402
-from .runner import (build_config, register_checkpoint_safe_globals, run_test,  # noqa: E402
-                     run_train, sync_bn_to_bn)
+from .runner import (SegUsageError, build_config, register_checkpoint_safe_globals,  # noqa: E402
+                     run_test, run_train, sync_bn_to_bn)
 
-__all__ = ["MesaPVT", "MesaSwinTransformer", "MesaCompressed", "resolve_policy", "mmcv_ext_stub", "build_config",
-           "register_checkpoint_safe_globals", "run_train", "run_test", "sync_bn_to_bn"]
+__all__ = ["MesaPVT", "MesaSwinTransformer", "MesaCompressed", "resolve_policy", "mmcv_ext_stub",
+           "build_config", "register_checkpoint_safe_globals", "run_train", "run_test",
+           "sync_bn_to_bn", "SegUsageError", "KNOWN_ERRORS"]
+
+# the exceptions that mean bad input: the tools print them on one line and exit with status 1
+KNOWN_ERRORS = (SegUsageError, FileNotFoundError)

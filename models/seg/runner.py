@@ -11,12 +11,18 @@ plus what this environment needs:
   gloo process group initialised here (mmengine's ``init_dist`` calls ``torch.cuda.set_device``)
   and DDP built without ``device_ids``.
 * ``--amp`` uses mmengine's ``AmpOptimWrapper`` (fp16, dynamic loss scale), which needs a GPU.
+* Bad input is found before the Runner is built (and prints its environment): a missing or
+  incomplete data set (:func:`check_data`, naming the expected layout), an unreadable or truncated
+  checkpoint (:func:`check_checkpoint`), ``--amp`` without CUDA, raise :class:`SegUsageError`
+  with a one-line message; the tools print it and exit with status 1.
 """
 from __future__ import annotations
 
 import logging
+import os
 import os.path as osp
 import pickle
+import zipfile
 
 import numpy as np
 import torch
@@ -26,9 +32,16 @@ from mmengine.logging import HistoryBuffer, print_log
 from mmengine.runner import Runner
 
 __all__ = ["build_config", "run_train", "run_test", "register_checkpoint_safe_globals", "sync_bn_to_bn",
-           "CHECKPOINT_SAFE_GLOBALS", "LAUNCHERS", "tiny_run_options"]
+           "CHECKPOINT_SAFE_GLOBALS", "LAUNCHERS", "tiny_run_options", "SegUsageError", "check_data",
+           "check_checkpoint"]
 
 LAUNCHERS = ("none", "pytorch", "slurm", "mpi")
+ADE20K_URL = "http://data.csail.mit.edu/places/ADEchallenge/ADEChallengeData2016.zip"
+
+
+class SegUsageError(ValueError):
+    """Input the segmentation tools cannot use (missing data, unreadable checkpoint, --amp on
+    CPU); the message is one line."""
 
 
 _DEFAULT_STATISTICS = frozenset({"min", "max", "current", "mean"})  # HistoryBuffer._set_default_statistics
@@ -103,7 +116,7 @@ def build_config(config: str, *, work_dir: str | None = None, amp: bool = False,
     if not osp.isfile(config):
         raise FileNotFoundError(f"config not found: {config}")
     if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
+        raise SegUsageError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
     cfg = Config.fromfile(config)
     cfg.launcher = launcher
     if cfg_options:
@@ -114,7 +127,7 @@ def build_config(config: str, *, work_dir: str | None = None, amp: bool = False,
         cfg.work_dir = osp.join("./work_dirs", osp.splitext(osp.basename(config))[0])
     if amp:
         if not torch.cuda.is_available():
-            raise ValueError("--amp needs a CUDA device: mmengine's AmpOptimWrapper (fp16 with a dynamic "
+            raise SegUsageError("--amp needs a CUDA device: mmengine's AmpOptimWrapper (fp16 with a dynamic "
                              "loss scale) does not run on CPU")
         if cfg.optim_wrapper.get("type", "OptimWrapper") != "OptimWrapper":
             raise ValueError(f"--amp replaces an OptimWrapper, but the config has "
@@ -153,8 +166,67 @@ def _runner(cfg) -> Runner:
     return Runner.from_cfg(cfg)
 
 
+def _layout(root: str) -> str:
+    return (f"expected {root}/images/training/*.jpg with {root}/annotations/training/*.png of the same names, "
+            f"and the same for validation (unzip {ADE20K_URL} into {osp.dirname(root) or '.'}, or point "
+            "--cfg-options train_dataloader.dataset.data_root=DIR val_dataloader.dataset.data_root=DIR "
+            "test_dataloader.dataset.data_root=DIR at a copy; check a copy: python -m data.ade20k DIR; "
+            "a synthetic set for a smoke run: python -m data.ade20k DIR --synthetic)")
+
+
+def check_data(cfg, loaders=("train_dataloader", "val_dataloader")) -> None:
+    """Each of the ``loaders`` of ``cfg`` (present and not None) finds its image and label
+    directories (``data_root`` / ``data_prefix``) with files in them; else :class:`SegUsageError`
+    naming the directory and the expected ADE20K layout."""
+    for name in loaders:
+        loader = cfg.get(name)
+        if not loader:
+            continue
+        ds = loader.get("dataset", {})
+        root = str(ds.get("data_root", "") or "")
+        prefix = ds.get("data_prefix", {}) or {}
+        what = "ADE20K" if ds.get("type") == "ADE20KDataset" else f"{ds.get('type', 'the data set')}"
+        for key, ext in (("img_path", ".jpg"), ("seg_map_path", ".png")):
+            d = osp.join(root, prefix.get(key, ""))
+            if not osp.isdir(d):
+                raise SegUsageError(f"{what} not found ({name}): no directory {d}; {_layout(root)}")
+            if not any(f.endswith(ext) for f in os.listdir(d)):
+                raise SegUsageError(f"{what} incomplete ({name}): no *{ext} files in {d}; {_layout(root)}")
+
+
+def check_checkpoint(path: str, what: str = "checkpoint") -> None:
+    """``path`` exists and ``torch.load`` can read it (weights only, memory-mapped, so the tensors
+    are not read); else :class:`SegUsageError` (e.g. a truncated copy)."""
+    if not osp.isfile(path):
+        raise SegUsageError(f"{what} not found: {path}")
+    register_checkpoint_safe_globals()
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise SegUsageError(f"{what} {path}: not a readable PyTorch checkpoint ({type(exc).__name__}: {first}); "
+                            "a truncated or damaged copy? copy it again or pick another iter_*.pth") from exc
+
+
+def _resume_checkpoint(cfg) -> str | None:
+    """The checkpoint a run of ``cfg`` will load: ``load_from``, or with ``resume`` and no
+    ``load_from`` the work dir's ``last_checkpoint`` (mmengine's auto-resume)."""
+    if cfg.get("load_from"):
+        return cfg.load_from
+    marker = osp.join(cfg.work_dir, "last_checkpoint")
+    if cfg.get("resume") and osp.isfile(marker):
+        with open(marker) as f:
+            return f.read().strip() or None
+    return None
+
+
 def run_train(cfg) -> Runner:
-    """Build the Runner from ``cfg`` (see :func:`build_config`) and train; returns the Runner."""
+    """Build the Runner from ``cfg`` (see :func:`build_config`) and train; returns the Runner.
+    The data and the checkpoint to resume from are checked first (:class:`SegUsageError`)."""
+    check_data(cfg, ("train_dataloader",) + (("val_dataloader",) if cfg.get("val_cfg") else ()))
+    ckpt = _resume_checkpoint(cfg)
+    if ckpt:
+        check_checkpoint(ckpt, "--resume checkpoint" if cfg.get("resume") else "load_from checkpoint")
     runner = _runner(cfg)
     runner.train()
     return runner
@@ -162,9 +234,10 @@ def run_train(cfg) -> Runner:
 
 def run_test(cfg, checkpoint: str) -> dict:
     """Load ``checkpoint`` (a Runner checkpoint of ``cfg``'s model) and evaluate on the test set;
-    returns the metrics (``mIoU``, ``aAcc``, ``mAcc``)."""
-    if not osp.isfile(checkpoint):
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    returns the metrics (``mIoU``, ``aAcc``, ``mAcc``). The checkpoint and the test data are
+    checked first (:class:`SegUsageError`)."""
+    check_checkpoint(checkpoint)
+    check_data(cfg, ("test_dataloader",))
     cfg.load_from = checkpoint
     runner = _runner(cfg)
     metrics = runner.test()
