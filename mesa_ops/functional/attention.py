@@ -148,13 +148,18 @@ class _SDPA(torch.autograd.Function):
             lse, extra = None, ()
         else:
             out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
-        qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
+        ctx.recompute = choice != MATH and getattr(mod, "consistent_backward", True) and (
+            mod.quant_q.enable or mod.quant_k.enable or mod.quant_v.enable)
+        # the backward's rerun gives the output and softmax statistics: the forward's are kept
+        # only for the next layer (``attn.proj`` adopts the token-layout output copy)
+        keep_out = choice != MATH and (merge or not ctx.recompute)
+        qo = _pack(mod.quant_o, out, amp16) if keep_out else None
+        if ctx.recompute:
+            lse, extra = None, ()
         save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
                           _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
-        ctx.recompute = getattr(mod, "consistent_backward", True) and (
-            mod.quant_q.enable or mod.quant_k.enable or mod.quant_v.enable)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
         ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
@@ -171,7 +176,7 @@ class _SDPA(torch.autograd.Function):
         g = as_dtype(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
         gbias = None
         am = build_mask(bias, window_mask, qh.shape[0], cdt)
-        if ctx.recompute and ctx.choice != MATH:
+        if ctx.recompute:
             # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
             # backward is then the exact gradient at the dequantized inputs, as the math path's
             # and the explicit path's are. With the forward's exact logsumexp instead, P =
