@@ -41,6 +41,7 @@ from mmseg.registry import MODELS
 import mesa_ops as ms
 
 from .. import create_model, load_checkpoint
+from ..pvt import stage_pos_embed
 from ..registry import apply_policy
 from ..swin import window_partition, window_reverse
 
@@ -152,7 +153,7 @@ class MesaPVT(_MesaBackbone):
                 pos_embed = pos_embed[:, 1:]  # the class token's position is not used
             H, W = x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1]
             x = patch_embed(x)
-            x = getattr(b, f"pos_drop{i + 1}")(x + b._get_pos_embed(pos_embed, patch_embed, H, W))
+            x = getattr(b, f"pos_drop{i + 1}")(x + stage_pos_embed(pos_embed, patch_embed.grid_size, H, W))
             for blk in getattr(b, f"block{i + 1}"):
                 x = blk(x, H, W)
             x = x.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous()
