@@ -14,11 +14,13 @@ own (``sdpa.quant_k.enable = False``) stores its tensor exactly.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .functional.attention import build_mask, head_layout, sdpa_fn, token_layout
+from .functional.attention import head_layout, sdpa_fn, token_layout
 from .quant import Quantizer
 
 __all__ = ["SDPA", "QUANTIZERS"]
@@ -55,6 +57,7 @@ class SDPA(nn.Module):
     """
 
     tag = "attention"
+    __jit_unused_properties__ = list(_PROXIED)  # Python-side settings (see mesa_ops.quant)
 
     def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
         super().__init__()
@@ -87,9 +90,11 @@ class SDPA(nn.Module):
         return (self.training and any(getattr(self, q).enable for q in QUANTIZERS)
                 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
-    def forward(self, q, k, v, attn_mask=None, scale=None, window_mask=None, merge_heads=False):
-        if self.active(q, k, v, attn_mask):
-            return sdpa_fn(q, k, v, attn_mask, window_mask, scale, self, merge=merge_heads)
+    def forward(self, q, k, v, attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+                window_mask: Optional[torch.Tensor] = None, merge_heads: bool = False):
+        if not torch.jit.is_scripting():  # TorchScript (eval): the exact op
+            if self.active(q, k, v, attn_mask):
+                return sdpa_fn(q, k, v, attn_mask, window_mask, scale, self, merge=merge_heads)
         out = exact_sdpa(q, k, v, attn_mask, window_mask, scale)
         return token_layout(out) if merge_heads else out
 
@@ -98,19 +103,28 @@ for _n in _PROXIED:
     setattr(SDPA, _n, _proxy(_n))
 
 
-def exact_sdpa(q, k, v, bias=None, window_mask=None, scale=None, dropout_p: float = 0.) -> torch.Tensor:
+def exact_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               window_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
+               dropout_p: float = 0.) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with the models' mask conventions (see :class:`SDPA`):
-    with ``window_mask`` (W, N, M) the inputs go in as (B // W, W, H, L, D). Returns (B, H, N, D)."""
+    with ``window_mask`` (W, N, M) the inputs go in as (B // W, W, H, L, D), the mask as
+    (W, H, N, M) = window_mask + bias (bias (H, N, M) or (1, H, N, M)). Returns (B, H, N, D).
+    TorchScript-compilable and FX-traceable (no Python branch on a tensor size)."""
     B, H, N, D = q.shape
     if window_mask is None:
         am = None if bias is None else bias.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=am, dropout_p=dropout_p, scale=scale)
-    am = build_mask(bias, window_mask, B, q.dtype)
     W = window_mask.shape[0]
+    torch._assert(B % W == 0, "exact_sdpa: the batch is not a multiple of the windows of window_mask")
+    am = window_mask.unsqueeze(1)
+    if bias is not None:  # as functional.attention.build_mask, without a branch on bias.dim()
+        am = bias.reshape(-1, N, k.shape[2]).unsqueeze(0) + am
+    am = am.to(q.dtype)
+    M, Dv = k.shape[2], v.shape[3]
     out = F.scaled_dot_product_attention(
-        q.reshape(B // W, W, H, N, D), k.reshape(B // W, W, *k.shape[1:]),
-        v.reshape(B // W, W, *v.shape[1:]), attn_mask=am, dropout_p=dropout_p, scale=scale)
-    return out.reshape(B, H, N, D)
+        q.reshape(B // W, W, H, N, D), k.reshape(B // W, W, H, M, D),
+        v.reshape(B // W, W, H, M, Dv), attn_mask=am, dropout_p=dropout_p, scale=scale)
+    return out.reshape(B, H, N, Dv)
 
 
 __all__ += ["exact_sdpa", "head_layout", "token_layout"]

@@ -5,6 +5,10 @@ gradient to compute, the forward runs the plain op bit for bit but saves for bac
 packed low-bit copy of what backward needs (Pan et al., Mesa, arXiv 2111.11124). Otherwise the
 layer is exactly the plain ``nn`` layer. The signatures follow the original Mesa code
 (``mesa=False, args=None, logger=None, quant_groups=1``); ``bits`` is new.
+
+TorchScript (``torch.jit.script``, eval mode) compiles each layer as its plain counterpart (the
+compressed path is Python-only); FX symbolic tracing treats the layers as leaf modules (``models``
+registers them with timm's ``register_notrace_module``).
 """
 from __future__ import annotations
 
@@ -44,8 +48,9 @@ class Linear(_Layer, nn.Linear):
         self._setup("fc", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
-        if self.weight.requires_grad and self._active(x, self.weight, self.bias):
-            return MF.linear_fn(x, self.weight, self.bias, self)
+        if not torch.jit.is_scripting():  # TorchScript (eval): the plain layer
+            if self.weight.requires_grad and self._active(x, self.weight, self.bias):
+                return MF.linear_fn(x, self.weight, self.bias, self)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -62,8 +67,10 @@ class Conv2d(_Layer, nn.Conv2d):
         self._setup("conv", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
+        if torch.jit.is_scripting():
+            return self._conv_forward(x, self.weight, self.bias)
         if not self._active(x, self.weight, self.bias):
-            return super().forward(x)
+            return self._conv_forward(x, self.weight, self.bias)
         padding = self.padding
         if self.padding_mode != "zeros" or isinstance(padding, str):
             if self.padding_mode != "zeros":
@@ -91,8 +98,9 @@ class LayerNorm(_Layer, nn.LayerNorm):
         self._setup("layernorm", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
-        if self._active(x, self.weight, self.bias):
-            return MF.layer_norm_fn(x, self.normalized_shape, self.weight, self.bias, self.eps, self)
+        if not torch.jit.is_scripting():
+            if self._active(x, self.weight, self.bias):
+                return MF.layer_norm_fn(x, self.normalized_shape, self.weight, self.bias, self.eps, self)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -107,8 +115,9 @@ class GELU(_Layer, nn.GELU):
         self._setup("gelu", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
-        if self._active(x):
-            return MF.gelu_fn(x, self.approximate, self)
+        if not torch.jit.is_scripting():
+            if self._active(x):
+                return MF.gelu_fn(x, self.approximate, self)
         return F.gelu(x, approximate=self.approximate)
 
 
@@ -124,8 +133,9 @@ class ReLU(_Layer, nn.ReLU):
         self._setup("relu", mesa, enable, quant_groups, bits, group_size)
 
     def forward(self, x):
-        if self._active(x):
-            return MF.relu_fn(x)
+        if not torch.jit.is_scripting():
+            if self._active(x):
+                return MF.relu_fn(x)
         return F.relu(x, inplace=self.inplace)
 
 
@@ -160,6 +170,7 @@ class _TwoQuant:
     _proxied = ("enable", "bits", "level", "ema_decay", "quant_groups", "stochastic",
                 "range_mode", "check_finite", "nonfinite", "dist_sync", "index", "group_size",
                 "layer_name")
+    __jit_unused_properties__ = list(_proxied)  # Python-side settings: not compiled by TorchScript
 
     def update_quantization_parameter(self, **parameters):
         return update_quantization_parameter(self, **parameters)
@@ -199,10 +210,11 @@ class Softmax(_TwoQuant, nn.Softmax):
         self.tag = "softmax"
 
     def forward(self, x):
-        if (self.quant2.enable or self.quant1.enable) and self.training and _needs_grad(x):
-            dim = self.dim if self.dim is not None else F._get_softmax_dim("softmax", x.dim(), 3)
-            # the output is stored by quant2; a policy enabling only quant1 (softmax-1) gets it
-            return MF.softmax_fn(x, dim, self.quant2 if self.quant2.enable else self.quant1)
+        if not torch.jit.is_scripting():
+            if (self.quant2.enable or self.quant1.enable) and self.training and _needs_grad(x):
+                dim = self.dim if self.dim is not None else F._get_softmax_dim("softmax", x.dim(), 3)
+                # the output is stored by quant2; a policy enabling only quant1 (softmax-1) gets it
+                return MF.softmax_fn(x, dim, self.quant2 if self.quant2.enable else self.quant1)
         return F.softmax(x, self.dim, _stacklevel=5)
 
 
@@ -220,9 +232,10 @@ class MatMul(_TwoQuant, nn.Module):
     def forward(self, a, b):
         """Each input is stored packed when its quantizer is enabled, exactly otherwise; ``a``
         already packed by a Mesa Softmax is stored as that copy (once) in any case."""
-        on = self.quant1.enable or self.quant2.enable or hasattr(a, "_mesa_saved")
-        if on and self.training and _needs_grad(a, b):
-            return MF.matmul_fn(a, b, self.quant1, self.quant2)
+        if not torch.jit.is_scripting():
+            on = self.quant1.enable or self.quant2.enable or hasattr(a, "_mesa_saved")
+            if on and self.training and _needs_grad(a, b):
+                return MF.matmul_fn(a, b, self.quant1, self.quant2)
         return torch.matmul(a, b)
 
 

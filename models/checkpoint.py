@@ -42,9 +42,9 @@ from mesa_ops.layers import MESA_LAYERS
 from mesa_ops.quant import QuantMixin
 
 __all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint", "read_checkpoint",
-           "extract_state_dict", "quantizer_keys", "resize_pos_embed", "resize_rel_pos_bias_table",
-           "FORMAT_NAME", "CHECKSUM_KEY", "add_checksum", "payload_checksum", "verify_checksum",
-           "hub_cache_path"]
+           "extract_state_dict", "match_state_dict", "pretrained_filter_fn", "quantizer_keys",
+           "resize_pos_embed", "resize_rel_pos_bias_table", "FORMAT_NAME", "CHECKSUM_KEY",
+           "add_checksum", "payload_checksum", "verify_checksum", "hub_cache_path"]
 
 _log = logging.getLogger("models")
 FORMAT_NAME = "mesa-repro"
@@ -332,7 +332,24 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
         source = os.fspath(checkpoint)
         obj = read_checkpoint(source, map_location=map_location, weights_only=weights_only)
     sd, meta = extract_state_dict(obj, source)
+    to_load, report = match_state_dict(model, sd, meta, source, skip=skip)
+    result = model.load_state_dict(to_load, strict=False)
+    leftover = [k for k in result.missing_keys if k not in report.missing_quantizer_keys
+                and k not in report.skipped_keys and k not in report.derived_keys]
+    if leftover or result.unexpected_keys:  # cannot happen after the checks of match_state_dict
+        raise CheckpointError(f"{source}: load_state_dict left {leftover} missing and "
+                              f"{result.unexpected_keys} unexpected")
+    verbose(report.summary())
+    return report
 
+
+def match_state_dict(model: nn.Module, sd: dict, meta: dict | None = None, source: str = "checkpoint", *,
+                     skip=(), leave=()) -> tuple[dict, LoadReport]:
+    """The tensors of state dict ``sd`` to load into ``model`` (resized where the model resizes
+    them) and the :class:`LoadReport`; raises :class:`CheckpointError` naming every key that does
+    not fit. ``leave``: keys passed on as the checkpoint has them, unchecked (those timm's loader
+    adapts: the first conv, the classifier)."""
+    meta = meta or {}
     own = model.state_dict()
     qkeys = quantizer_keys(model)
     suffixes = set(getattr(model, "derived_buffers", ()))
@@ -343,6 +360,7 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
 
     skipped = {k for k in set(sd) | set(own) if any(fnmatch.fnmatch(k, p) for p in skip)}
     report.skipped_keys = sorted(skipped)
+    leave = set(leave) - skipped
     resize = getattr(model, "resize_checkpoint_tensor", None)
     to_load, unexpected, mismatched = {}, [], []
     for k, v in sd.items():
@@ -350,6 +368,9 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
             continue
         if k in derived:
             continue  # the model's own geometry decides
+        if k in leave:
+            to_load[k] = v
+            continue
         if k not in own:
             if _looks_like_quant_key(k):
                 report.ignored_quantizer_keys.append(k)
@@ -364,7 +385,8 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
-    missing = [k for k in own if k not in sd and k not in skipped and k not in derived]
+    missing = [k for k in own if k not in sd and k not in skipped and k not in derived
+               and k not in leave]
     report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)
     missing_other = [k for k in missing if k not in qkeys]
     report.derived_keys = sorted(k for k in derived if k in own)
@@ -386,16 +408,42 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
         problems.append(f"shape mismatch ({len(mismatched)}):{_fmt(mismatched)}{hint}")
     if problems:
         raise CheckpointError(f"{source} does not fit {type(model).__name__}:\n" + "\n".join(problems))
-
-    result = model.load_state_dict(to_load, strict=False)
-    leftover = [k for k in result.missing_keys if k not in report.missing_quantizer_keys
-                and k not in skipped and k not in derived]
-    if leftover or result.unexpected_keys:  # cannot happen after the checks above
-        raise CheckpointError(f"{source}: load_state_dict left {leftover} missing and "
-                              f"{result.unexpected_keys} unexpected")
     report.loaded_keys = sorted(to_load)
+    return to_load, report
+
+
+def _cfg_names(value) -> list[str]:
+    if not value:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def pretrained_filter_fn(state_dict: dict, model: nn.Module, *, skip=(), verbose=None,
+                         source: str | None = None) -> dict:
+    """timm's ``pretrained_filter_fn`` (``build_model_with_cfg``): a checkpoint that timm's
+    ``load_pretrained`` read (any format :func:`load_checkpoint` reads) -> the complete state dict
+    timm then loads into ``model``.
+
+    The checkpoint's tensors are checked and resized as :func:`load_checkpoint` does; the
+    pretrained cfg's ``first_conv`` and ``classifier`` are passed on as they are, for timm to adapt:
+    ``adapt_input_conv`` for another ``in_chans``, the classifier dropped (left at its
+    initialisation) for another ``num_classes`` (0 included). The keys a checkpoint does not hold
+    (Mesa quantizer state, derived buffers, ``skip`` patterns) get the model's own values, so that
+    timm's strict load passes.
+    """
+    verbose = verbose or _log.info
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    source = source or str(cfg.get("file") or cfg.get("hf_hub_id") or cfg.get("url") or "pretrained weights")
+    sd, meta = extract_state_dict(state_dict, source)
+    leave = {f"{n}.{p}" for n in _cfg_names(cfg.get("first_conv")) + _cfg_names(cfg.get("classifier"))
+             for p in ("weight", "bias")}
+    to_load, report = match_state_dict(model, sd, meta, source, skip=skip, leave=leave)
+    own = model.state_dict()
+    for k in report.missing_quantizer_keys + report.derived_keys + report.skipped_keys:
+        if k in own:
+            to_load[k] = own[k]
     verbose(report.summary())
-    return report
+    return to_load
 
 
 def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:

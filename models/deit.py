@@ -153,7 +153,7 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         x = self.patch_embed(x)
         B = x.shape[0]
         prefix = [self.cls_token.expand(B, -1, -1)]
-        if self.distilled:
+        if self.dist_token is not None:
             prefix.append(self.dist_token.expand(B, -1, -1))
         x = torch.cat(prefix + [x], dim=1)
         return self.pos_drop(x + self.pos_embed)
@@ -162,14 +162,17 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         """(B, 3, H, W) -> normed tokens (B, P + N, C), P = 1 (2 distilled) prefix tokens."""
         x = self._embed(x)
         for blk in self.blocks:
-            x = self.checkpointed(blk, x)
+            if torch.jit.is_scripting():
+                x = blk(x)
+            else:
+                x = self.checkpointed(blk, x)
         return self.norm(x)
 
     def forward_head(self, x, pre_logits: bool = False):
         """Tokens (B, P + N, C) -> logits (B, classes); ``pre_logits``: the pooled features.
         Distilled with ``global_pool='token'``: class and distillation heads, their mean in eval
         mode (and for ``pre_logits``), both in training mode."""
-        if self.distilled and self.global_pool == "token":
+        if self.head_dist is not None and self.global_pool == "token":  # distilled
             x, x_dist = x[:, 0], x[:, 1]
             if pre_logits:
                 return (x + x_dist) / 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -218,7 +219,8 @@ class AttentionOps(nn.Module):
         """Whether the next forward runs an SDPA kernel (exact or Mesa)."""
         return self.attention_path() in ("sdpa", "mesa-sdpa")
 
-    def attend(self, q, k, v, bias=None, mask=None, merge_heads: bool = False):
+    def attend(self, q, k, v, bias: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+               merge_heads: bool = False):
         """softmax(q k^T * scale + bias + mask) v.
 
         Args:
@@ -229,20 +231,26 @@ class AttentionOps(nn.Module):
                 the packed output, which the following Mesa Linear then stores no second time).
         Returns:
             (B, H, N, D), or (B, N, H * D) with ``merge_heads``.
+
+        Under TorchScript (eval models) the path is 'sdpa' or 'explicit' by ``fused_attn``.
         """
-        path = self.attention_path()
-        if path == "mesa-sdpa":
-            am = None if bias is None else bias.unsqueeze(0)
-            return self.sdpa(q, k, v, attn_mask=am, scale=self.scale, window_mask=mask,
-                             merge_heads=merge_heads)
-        if path == "sdpa":
+        if torch.jit.is_scripting():
+            fused = self.fused_attn
+        else:
+            path = self.attention_path()
+            if path == "mesa-sdpa":
+                am = None if bias is None else bias.unsqueeze(0)
+                return self.sdpa(q, k, v, attn_mask=am, scale=self.scale, window_mask=mask,
+                                 merge_heads=merge_heads)
+            fused = path == "sdpa"
+        if fused:
             drop = self.attn_drop.p if self.training else 0.
             out = exact_sdpa(q, k, v, None if bias is None else bias.unsqueeze(0), mask, self.scale, drop)
         else:
             out = self._explicit(q, k, v, bias, mask)
         return token_layout(out) if merge_heads else out
 
-    def _explicit(self, q, k, v, bias, mask):
+    def _explicit(self, q, k, v, bias: Optional[torch.Tensor], mask: Optional[torch.Tensor]):
         q = q * self.scale
         attn = self.mm1(q, k.transpose(-2, -1))
         if bias is not None:
@@ -298,7 +306,8 @@ class Attention(AttentionOps):
 
 class PatchEmbed(nn.Module):
     """Image (B, C_in, H, W) -> tokens (B, N, C) by a stride-``patch_size`` conv ``proj``, then
-    an optional ``norm``; N = (H // p) * (W // p). ``strict_img_size`` checks H, W == img_size."""
+    an optional ``norm``; N = (H // p) * (W // p). ``strict_img_size`` checks H, W == img_size
+    (``torch._assert``, as timm's PatchEmbed: the check traces under FX and scripts)."""
 
     def __init__(self, img_size=224, patch_size=16, in_chans=3, embed_dim=768, norm_layer=None,
                  conv_layer=ms.Conv2d, conv_groups: int = 1, norm_groups: int = 1,
@@ -318,10 +327,11 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         _, _, H, W = x.shape
-        if self.strict_img_size and (H, W) != self.img_size:
-            raise ValueError(f"input image size ({H}x{W}) does not match the model's img_size "
-                             f"{self.img_size[0]}x{self.img_size[1]}; build the model with "
-                             f"img_size=({H}, {W})")
+        if self.strict_img_size:
+            msg = (f"input image size ({H}x{W}) does not match the model's img_size "
+                   f"{self.img_size[0]}x{self.img_size[1]}; build the model with img_size=({H}, {W})")
+            torch._assert(H == self.img_size[0], msg)
+            torch._assert(W == self.img_size[1], msg)
         x = self.proj(x).flatten(2).transpose(1, 2)
         if self.norm is not None:
             x = self.norm(x)

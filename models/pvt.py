@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -25,9 +26,19 @@ from .layers import (AttentionOps, PatchEmbed, QuantGroups, build_layer, init_pr
                      init_weights, PyramidHeadMixin, to_2tuple, trunc_normal_)
 from .registry import register_model
 from .timm_api import (GradCheckpointing, check_global_pool, check_output_fmt, feature_take_indices,
-                       init_grad_checkpointing, pool_tokens, tokens_to_nchw)
+                       init_grad_checkpointing, pool_tokens, register_notrace_function, tokens_to_nchw)
 
-__all__ = ["SRAttention", "Block", "PyramidVisionTransformer"]
+__all__ = ["SRAttention", "Block", "PyramidVisionTransformer", "stage_pos_embed"]
+
+
+@register_notrace_function  # FX: one graph node, so the size test runs on the real sizes
+def stage_pos_embed(pos_embed: torch.Tensor, grid: Tuple[int, int], H: int, W: int) -> torch.Tensor:
+    """(1, h*w, C) position embedding of a stage built for the (h, w) ``grid`` -> (1, H*W, C),
+    resized bilinearly when (H, W) differs (as the official code does at another input size)."""
+    if H == grid[0] and W == grid[1]:
+        return pos_embed
+    return F.interpolate(pos_embed.reshape(1, grid[0], grid[1], -1).permute(0, 3, 1, 2), size=(H, W),
+                         mode="bilinear").reshape(1, -1, H * W).permute(0, 2, 1)
 
 
 class SRAttention(AttentionOps):
@@ -54,11 +65,11 @@ class SRAttention(AttentionOps):
         self.init_attention_ops(num_heads, qk_scale or (dim // num_heads) ** -0.5, attn_drop, matmul_layer,
                                 softmax_layer, fused_attn, attn_impl)
 
-    def forward(self, x, H, W):
+    def forward(self, x, H: int, W: int):
         B, N, C = x.shape
         h = self.num_heads
         q = self.q(x).reshape(B, N, h, C // h).permute(0, 2, 1, 3)
-        if self.sr_ratio > 1:
+        if hasattr(self, "sr"):  # sr_ratio > 1 (hasattr: TorchScript skips the branch otherwise)
             x_ = x.permute(0, 2, 1).reshape(B, C, H, W)
             x_ = self.sr(x_).reshape(B, C, -1).permute(0, 2, 1)
             x_ = self.norm(x_)
@@ -90,7 +101,7 @@ class Block(nn.Module):
                                 attn_impl=attn_impl),
             mlp_ratio, drop, drop_path, act_layer, norm_layer, linear_layer, qgroups)
 
-    def forward(self, x, H, W):
+    def forward(self, x, H: int, W: int):
         x = x + self.drop_path(self.attn(self.norm1(x), H, W))
         x = x + self.drop_path(self.mlp(self.norm2(x)))
         return x
@@ -166,7 +177,8 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self):
-        return {"cls_token"}
+        """The class token and the position embeddings (as timm's DeiT / PVT-v2 exclude them)."""
+        return {"cls_token"} | {f"pos_embed{i + 1}" for i in range(self.num_stages)}
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False):
@@ -196,30 +208,23 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         self.head = self._make_head(num_classes)
         self.head.apply(init_weights)
 
-    @staticmethod
-    def _get_pos_embed(pos_embed, patch_embed, H, W):
-        """(1, h*w, C) of the stage's built grid -> (1, H*W, C) (bilinear when they differ)."""
-        if (H, W) == patch_embed.grid_size:
-            return pos_embed
-        gh, gw = patch_embed.grid_size
-        return F.interpolate(pos_embed.reshape(1, gh, gw, -1).permute(0, 3, 1, 2), size=(H, W),
-                             mode="bilinear").reshape(1, -1, H * W).permute(0, 2, 1)
+    def _with_pos(self, x, pos_embed: torch.Tensor, grid: Tuple[int, int], H: int, W: int, last: bool):
+        """A stage's patch tokens (B, H*W, C) plus its position embedding (resized to H x W); in
+        the last stage the class token leads: (B, 1 + H*W, C)."""
+        cls_token = self.cls_token
+        if last and cls_token is not None:
+            x = torch.cat((cls_token.expand(x.shape[0], -1, -1), x), dim=1)
+            return x + torch.cat((pos_embed[:, :1], stage_pos_embed(pos_embed[:, 1:], grid, H, W)), dim=1)
+        return x + stage_pos_embed(pos_embed, grid, H, W)
 
     def _stage(self, i: int, x):
         """Stage ``i`` (0-based): image or (B, C, H, W) map -> tokens (B, [1 +] H*W, C_i), H, W
         (the class token leads in the last stage)."""
-        B = x.shape[0]
         patch_embed = getattr(self, f"patch_embed{i + 1}")
-        pos_embed = getattr(self, f"pos_embed{i + 1}")
         H, W = x.shape[-2] // patch_embed.patch_size[0], x.shape[-1] // patch_embed.patch_size[1]
-        x = patch_embed(x)
-        if self._has_cls(i):
-            x = torch.cat((self.cls_token.expand(B, -1, -1), x), dim=1)
-            grid = self._get_pos_embed(pos_embed[:, 1:], patch_embed, H, W)
-            pos_embed = torch.cat((pos_embed[:, :1], grid), dim=1)
-        else:
-            pos_embed = self._get_pos_embed(pos_embed, patch_embed, H, W)
-        x = getattr(self, f"pos_drop{i + 1}")(x + pos_embed)
+        x = self._with_pos(patch_embed(x), getattr(self, f"pos_embed{i + 1}"), patch_embed.grid_size, H, W,
+                           i == self.num_stages - 1)
+        x = getattr(self, f"pos_drop{i + 1}")(x)
         for blk in getattr(self, f"block{i + 1}"):
             x = self.checkpointed(blk, x, H, W)
         return x, H, W
@@ -229,10 +234,46 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
 
     def forward_features(self, x):
         """(B, 3, H, W) -> the last stage's normed tokens (B, 1 + H/32*W/32, C_4), class token first."""
-        for i in range(self.num_stages):
-            x, H, W = self._stage(i, x)
-            if i < self.num_stages - 1:
-                x = tokens_to_nchw(x, H, W)
+        if torch.jit.is_scripting():
+            return self._forward_features_scripted(x)
+        else:
+            for i in range(self.num_stages):
+                x, H, W = self._stage(i, x)
+                if i < self.num_stages - 1:
+                    x = tokens_to_nchw(x, H, W)
+            return self.norm(x)
+
+    def _forward_features_scripted(self, x):
+        """:meth:`forward_features` for TorchScript, which cannot look a module up by a computed
+        name (``patch_embed{i}``): the same stages written out; ``hasattr`` skips, at compile time,
+        those a pruned model lacks."""
+        last = self.num_stages - 1
+        H, W = x.shape[-2] // self.patch_embed1.patch_size[0], x.shape[-1] // self.patch_embed1.patch_size[1]
+        x = self.pos_drop1(self._with_pos(self.patch_embed1(x), self.pos_embed1, self.patch_embed1.grid_size,
+                                          H, W, last == 0))
+        for blk in self.block1:
+            x = blk(x, H, W)
+        if hasattr(self, "block2"):
+            x = tokens_to_nchw(x, H, W)
+            H, W = x.shape[-2] // self.patch_embed2.patch_size[0], x.shape[-1] // self.patch_embed2.patch_size[1]
+            x = self.pos_drop2(self._with_pos(self.patch_embed2(x), self.pos_embed2,
+                                              self.patch_embed2.grid_size, H, W, last == 1))
+            for blk in self.block2:
+                x = blk(x, H, W)
+        if hasattr(self, "block3"):
+            x = tokens_to_nchw(x, H, W)
+            H, W = x.shape[-2] // self.patch_embed3.patch_size[0], x.shape[-1] // self.patch_embed3.patch_size[1]
+            x = self.pos_drop3(self._with_pos(self.patch_embed3(x), self.pos_embed3,
+                                              self.patch_embed3.grid_size, H, W, last == 2))
+            for blk in self.block3:
+                x = blk(x, H, W)
+        if hasattr(self, "block4"):
+            x = tokens_to_nchw(x, H, W)
+            H, W = x.shape[-2] // self.patch_embed4.patch_size[0], x.shape[-1] // self.patch_embed4.patch_size[1]
+            x = self.pos_drop4(self._with_pos(self.patch_embed4(x), self.pos_embed4,
+                                              self.patch_embed4.grid_size, H, W, last == 3))
+            for blk in self.block4:
+                x = blk(x, H, W)
         return self.norm(x)
 
     def forward_head(self, x, pre_logits: bool = False):
@@ -301,10 +342,12 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
 
 
 # timm pretrained_cfg. crop_pct 0.875: whai362/PVT's classification code evaluates as DeiT's does
-# (resize int(256 / 224 * 224) = 256, bicubic, center crop 224). forward_features is a token sequence:
-# no pool_size; the input size is free (position embeddings are interpolated).
+# (resize int(256 / 224 * 224) = 256, bicubic, center crop 224). forward_features is a token sequence
+# (class token + the last stage's 7x7 grid: pool_size); the input size is free (position embeddings
+# are interpolated).
 _CFG = dict(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), crop_pct=0.875, interpolation="bicubic",
-            first_conv="patch_embed1.proj", classifier="head", input_size=(3, 224, 224), num_classes=1000,
+            first_conv="patch_embed1.proj", classifier="head", input_size=(3, 224, 224), pool_size=(7, 7),
+            num_classes=1000,
             fixed_input_size=False, license="apache-2.0", origin_url="https://github.com/whai362/PVT",
             paper_ids="arXiv:2102.12122")
 _PVT = "https://github.com/whai362/PVT/releases/download/v2/"

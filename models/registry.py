@@ -16,13 +16,16 @@ block warns (``UserWarning``): the model then trains exactly.
 """
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import logging
 import os
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 import mesa_ops as ms
@@ -96,52 +99,93 @@ def registry_name(name: str) -> str:
 
 def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: dict | None = None,
                  policy_verbose=None, pretrained_cfg=None, pretrained_cfg_overlay: dict | None = None,
-                 **kwargs) -> nn.Module:
+                 cache_dir=None, **kwargs) -> nn.Module:
     """Build a registered model through timm's ``build_model_with_cfg``, load weights, apply a
     Mesa policy. ``timm.create_model('mesa_<name>', ...)`` calls this with the same arguments.
 
     Args:
         name: a name from :func:`list_models` (the ``mesa_`` prefix is accepted too).
-        pretrained: None/False (random init), True (the official checkpoint's URL), or a path /
-            URL of a checkpoint (official, this repo's or the original Mesa code's), loaded by
-            :func:`models.checkpoint.load_checkpoint` with ``checkpoint_kwargs``.
-        ms_policy: see the module docstring; applied after loading (before any ``features_only``
-            wrapping, so policy indices count the whole model's layers).
+        pretrained: None/False (random init); True: the pretrained cfg's weights, found as timm
+            finds them (``pretrained_cfg_overlay=dict(file=<path>)`` first, then ``hf_hub_id``,
+            then the official ``url``); a path or URL: that checkpoint (as ``file`` / ``url``).
+            timm's ``load_pretrained`` reads it and :func:`models.checkpoint.pretrained_filter_fn`
+            maps it onto the model (official, this repo's and the original Mesa code's formats);
+            as for timm's models, another ``num_classes`` (0 included) leaves the classifier at its
+            initialisation and another ``in_chans`` adapts the first conv (``adapt_input_conv``).
+        ms_policy: see the module docstring; applied when the model is built (before any
+            ``features_only`` wrapping, so policy indices count the whole model's layers).
+        checkpoint_kwargs: ``skip`` (fnmatch patterns of checkpoint keys to leave at the model's
+            values) and ``verbose`` (callable for the load summary) of the pretrained load.
         policy_verbose: callable for the policy's messages (default: the ``models`` logger).
-        pretrained_cfg, pretrained_cfg_overlay: as in timm (the registered cfg, a tag or a dict;
-            fields to override). ``img_size`` / ``in_chans`` / ``num_classes`` are reflected in
-            ``model.pretrained_cfg`` (``input_size``, ``pool_size``, ``num_classes``).
+        pretrained_cfg, pretrained_cfg_overlay, cache_dir: as in timm (the registered cfg, a tag
+            or a dict; fields to override; the download cache). ``img_size`` / ``in_chans`` /
+            ``num_classes`` are reflected in ``model.pretrained_cfg`` (``input_size``,
+            ``pool_size``, ``num_classes``) once the weights are loaded.
         features_only, out_indices, feature_cls: timm's feature extraction: ``features_only=True``
             wraps the model in timm's ``FeatureGetterNet`` (``forward_intermediates``), returning
             the ``out_indices`` maps as (B, C, H, W) (default: the last 3 blocks of DeiT, the 4
-            stages of Swin / PVT), with ``feature_info``.
+            stages of Swin / PVT), with ``feature_info``; ``feature_cls='fx'``: timm's
+            ``FeatureGraphNet`` (the outputs of the ``feature_info`` modules, in token layout);
+            ``feature_cfg``: timm's dict of these (``feature_cls``, ``out_indices``, ...).
         **kwargs: the model's constructor arguments (img_size, num_classes, drop_path_rate,
             global_pool, grad_checkpointing, ...).
     """
     from timm.models import build_model_with_cfg
 
-    from .checkpoint import load_checkpoint
+    from .checkpoint import pretrained_filter_fn
 
     entry = model_entry(name)
-    if pretrained is True:
-        if not entry.cfg.get("url"):
-            raise ValueError(f"{entry.name} has no official checkpoint URL; pass pretrained=<path>")
-        pretrained = entry.cfg["url"]
+    ckpt = dict(checkpoint_kwargs or {})
+    unknown = sorted(set(ckpt) - {"skip", "verbose"})
+    if unknown:
+        raise ValueError(f"checkpoint_kwargs {unknown}: create_model takes 'skip' and 'verbose' (timm's "
+                         "loader reads weights_only on the CPU); for other options build the model and "
+                         "call models.load_checkpoint(model, path, ...)")
+    overlay = dict(pretrained_cfg_overlay or {})
+    if pretrained is not None and not isinstance(pretrained, bool):
+        overlay.update(_source_overlay(pretrained))
     out_indices = kwargs.pop("out_indices", entry.out_indices)
-    overlay = {**_cfg_overlay(entry.cfg, kwargs), **(pretrained_cfg_overlay or {})}
+    feature_cfg = {"out_indices": out_indices, "feature_cls": "getter", **(kwargs.pop("feature_cfg", None) or {})}
+    geometry = _cfg_overlay(entry.cfg, kwargs)
 
     def build(**model_kwargs):
         model = entry.fn(**model_kwargs)
-        if pretrained:
-            load_checkpoint(model, pretrained, **(checkpoint_kwargs or {}))
         apply_policy(model, ms_policy, verbose=policy_verbose)
         return model
 
-    # weights are loaded by ``build`` (models.checkpoint reads the official and Mesa formats), not
-    # by timm's loader: pretrained=False here.
-    return build_model_with_cfg(build, TIMM_PREFIX + entry.name, False, pretrained_cfg=pretrained_cfg,
-                                pretrained_cfg_overlay=overlay,
-                                feature_cfg=dict(out_indices=out_indices, feature_cls="getter"), **kwargs)
+    filter_fn = partial(pretrained_filter_fn, skip=tuple(ckpt.get("skip", ())), verbose=ckpt.get("verbose"))
+    # checkpoints of training scripts hold their argparse.Namespace (as the original Mesa code's do)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        model = build_model_with_cfg(build, TIMM_PREFIX + entry.name, bool(pretrained),
+                                     pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=overlay,
+                                     pretrained_filter_fn=filter_fn, cache_dir=cache_dir,
+                                     feature_cfg=feature_cfg, **kwargs)
+    _reflect_geometry(model, {k: v for k, v in geometry.items() if k not in overlay})
+    return model
+
+
+def _source_overlay(source) -> dict:
+    """The pretrained-cfg fields that make timm's loader read ``source`` (a path or URL)."""
+    from .checkpoint import CheckpointError
+
+    src = os.fspath(source)
+    if src.startswith(("http://", "https://", "file://")):
+        return {"url": src, "file": None, "hf_hub_id": None}
+    if not os.path.isfile(src):
+        raise CheckpointError(f"checkpoint not found: {src}")
+    return {"file": src}
+
+
+def _reflect_geometry(model: nn.Module, geometry: dict) -> None:
+    """``input_size`` / ``pool_size`` / ``num_classes`` of the built model into its pretrained cfg
+    (after loading, which reads the weights' values there; a features wrapper's cfg has no
+    classifier fields)."""
+    inner = getattr(model, "model", None)
+    if inner is not None and isinstance(getattr(inner, "pretrained_cfg", None), dict):
+        inner.pretrained_cfg.update(geometry)
+    cfg = getattr(model, "pretrained_cfg", None)
+    if isinstance(cfg, dict):
+        cfg.update({k: v for k, v in geometry.items() if k in cfg or k != "num_classes"})
 
 
 def _cfg_overlay(cfg: dict, kwargs: dict) -> dict:
@@ -202,7 +246,7 @@ def _register_with_timm(name: str) -> None:
     def entrypoint(pretrained=False, pretrained_cfg=None, pretrained_cfg_overlay=None, cache_dir=None,
                    **kwargs):
         return create_model(name, pretrained=pretrained or None, pretrained_cfg=pretrained_cfg,
-                            pretrained_cfg_overlay=pretrained_cfg_overlay, **kwargs)
+                            pretrained_cfg_overlay=pretrained_cfg_overlay, cache_dir=cache_dir, **kwargs)
 
     entrypoint.__name__ = entrypoint.__qualname__ = timm_name
     entrypoint.__module__ = __name__

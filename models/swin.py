@@ -15,6 +15,8 @@ Windows: (B * nW, ws*ws, C); attention (B * nW, heads, ws*ws, ws*ws).
 """
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 import torch
 import torch.nn as nn
 
@@ -41,7 +43,7 @@ def window_partition(x, window_size: int):
 
 def window_reverse(windows, window_size: int, H: int, W: int):
     """(B * H/ws * W/ws, ws, ws, C) -> (B, H, W, C)."""
-    B = int(windows.shape[0] / (H * W / window_size / window_size))
+    B = windows.shape[0] // ((H // window_size) * (W // window_size))
     x = windows.view(B, H // window_size, W // window_size, window_size, window_size, -1)
     return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(B, H, W, -1)
 
@@ -84,7 +86,7 @@ class WindowAttention(AttentionOps):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1).contiguous()
 
-    def forward(self, x, mask=None):
+    def forward(self, x, mask: Optional[torch.Tensor] = None):
         """x (B*nW, N, C); mask (nW, N, N) of 0 / -100 or None."""
         B_, N, C = x.shape
         qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
@@ -154,8 +156,7 @@ class SwinTransformerBlock(nn.Module):
     def forward(self, x):
         H, W = self.input_resolution
         B, L, C = x.shape
-        if L != H * W:
-            raise ValueError(f"expected {H * W} tokens ({H}x{W}), got {L}")
+        torch._assert(L == H * W, f"expected {H}x{W} tokens, got {L}")
         shortcut = x
         x = x.view(B, H, W, C)
         if self.shift_size > 0:
@@ -196,8 +197,8 @@ class PatchMerging(nn.Module):
     def forward(self, x):
         H, W = self.input_resolution
         B, L, C = x.shape
-        if L != H * W or H % 2 or W % 2:
-            raise ValueError(f"patch merging needs {H * W} tokens of an even grid {H}x{W}, got {L}")
+        torch._assert(H % 2 == 0 and W % 2 == 0 and L == H * W,  # the tensor test last (FX)
+                      f"patch merging needs {H}x{W} tokens, an even grid; got {L}")
         x = x.view(B, H, W, C)
         x0, x1 = x[:, 0::2, 0::2, :], x[:, 1::2, 0::2, :]
         x2, x3 = x[:, 0::2, 1::2, :], x[:, 1::2, 1::2, :]
@@ -247,7 +248,10 @@ class BasicLayer(nn.Module):
     def forward_blocks(self, x):
         """The stage's blocks (checkpointed when ``grad_checkpointing``): (B, H*W, C) -> same."""
         for blk in self.blocks:
-            x = run_block(blk, x, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
+            if torch.jit.is_scripting():
+                x = blk(x)
+            else:
+                x = run_block(blk, x, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
         return x
 
     def forward(self, x):
@@ -271,6 +275,7 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
     """
 
     output_fmt = "NHWC"
+    __jit_unused_properties__ = ["grad_checkpointing"]  # Python-side (TorchScript runs no checkpointing)
 
     derived_buffers = ("relative_position_index", "attn_mask")
 
@@ -303,6 +308,8 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         if ape:
             self.absolute_pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches, embed_dim))
             trunc_normal_(self.absolute_pos_embed, std=.02)
+        else:
+            self.absolute_pos_embed = None
         self.pos_drop = nn.Dropout(p=drop_rate)
 
         dpr = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
@@ -315,8 +322,10 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                 linear_layer=linear_layer, matmul_layer=matmul_layer, softmax_layer=softmax_layer,
                 downsample=PatchMerging if i < self.num_layers - 1 else None,
                 qgroups=qg, fused_attn=fused_attn, attn_impl=attn_impl, use_checkpoint=use_checkpoint))
+        # module: the stage's last block (layers.i ends with the patch merging of the official
+        # layout), whose output FX / hook feature extraction (feature_cls='fx' / 'hook') return
         self.feature_info = [dict(num_chs=int(embed_dim * 2 ** i), reduction=patch_size * 2 ** i,
-                                  module=f"layers.{i}") for i in range(self.num_layers)]
+                                  module=f"layers.{i}.blocks.{depths[i] - 1}") for i in range(self.num_layers)]
         init_grad_checkpointing(self.layers, use_checkpoint or grad_checkpointing, grad_checkpointing_bits)
         self.norm = build_layer(norm_layer, self.num_features,
                                 quant_groups=qg(self.num_features, self.last_heads, "norm"))
@@ -370,12 +379,12 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
 
     def _embed(self, x):
         x = self.patch_embed(x)
-        if self.ape:
+        if self.absolute_pos_embed is not None:  # ape
             x = x + self.absolute_pos_embed
         return self.pos_drop(x)
 
-    def _to_nhwc(self, x, layer):
-        H, W = layer.input_resolution
+    def _to_nhwc(self, x, resolution: Tuple[int, int]):
+        H, W = resolution
         return x.reshape(x.shape[0], H, W, x.shape[-1])
 
     def forward_features(self, x):
@@ -383,7 +392,7 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         x = self._embed(x)
         for layer in self.layers:
             x = layer(x)
-        return self._to_nhwc(self.norm(x), self.layers[-1])
+        return self._to_nhwc(self.norm(x), self.layers[-1].input_resolution)
 
     def forward_head(self, x, pre_logits: bool = False):
         """(B, H, W, C) -> logits; ``pre_logits``: the pooled features (B, C)."""
@@ -420,7 +429,7 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
             return intermediates
         if stop == last:
             x = self.norm(x)
-        return self._to_nhwc(x, self.layers[stop]), intermediates
+        return self._to_nhwc(x, self.layers[stop].input_resolution), intermediates
 
     def prune_intermediate_layers(self, indices=1, prune_norm: bool = False, prune_head: bool = True):
         """Keep the stages up to the last of ``indices`` (its patch merging goes, and with it the

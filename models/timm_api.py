@@ -13,6 +13,12 @@ module holds the pieces the three families have in common:
   as a packed low-bit copy).
 * :func:`pool_tokens`: the ``global_pool`` of token models ('token', 'avg', '').
 * :func:`tokens_to_nchw`, :func:`check_output_fmt`, :func:`check_global_pool`.
+
+FX and TorchScript, as timm's tests use them: the Mesa layers (``mesa_ops.layers.MESA_LAYERS``)
+are registered with timm's ``register_notrace_module`` (leaf modules of a symbolic trace: their
+Python-side switches stay out of the graph); size checks are ``torch._assert`` (traced, scripted);
+a model's forward runs its blocks directly under ``torch.jit.is_scripting()`` (checkpointing is
+Python-only), and a scripted Mesa layer is its plain ``nn`` counterpart.
 """
 from __future__ import annotations
 
@@ -21,10 +27,16 @@ import importlib
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
+from timm.layers import register_notrace_function, register_notrace_module
 from timm.models._features import feature_take_indices
 
+from mesa_ops.layers import MESA_LAYERS
+
+for _layer in MESA_LAYERS:
+    register_notrace_module(_layer)
+
 __all__ = ["GradCheckpointing", "run_block", "pool_tokens", "tokens_to_nchw", "check_output_fmt",
-           "check_global_pool", "feature_take_indices"]
+           "check_global_pool", "feature_take_indices", "register_notrace_function"]
 
 
 def run_block(block: nn.Module, *args, enable: bool = False, bits: int | None = None):
@@ -74,8 +86,9 @@ class GradCheckpointing:
     themselves (Swin) override :meth:`_checkpoint_owners`.
     """
 
-    grad_checkpointing: bool = False
-    grad_checkpointing_bits: int | None = None
+    # no annotations: TorchScript reads class annotations, and these would be strings here
+    grad_checkpointing = False
+    grad_checkpointing_bits = None
 
     def _checkpoint_owners(self):
         return [self]
@@ -95,6 +108,8 @@ class GradCheckpointing:
             owner.grad_checkpointing = bool(enable)
 
     def checkpointed(self, block: nn.Module, *args):
+        """``block(*args)``, checkpointed as set (not for TorchScript: call the block directly
+        under ``torch.jit.is_scripting()``)."""
         return run_block(block, *args, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
 
 
@@ -128,8 +143,7 @@ def pool_tokens(x: torch.Tensor, global_pool: str, num_prefix_tokens: int) -> to
 def tokens_to_nchw(x: torch.Tensor, H: int, W: int) -> torch.Tensor:
     """(B, H*W, C) -> (B, C, H, W)."""
     B, L, C = x.shape
-    if L != H * W:
-        raise ValueError(f"expected {H * W} tokens ({H}x{W}), got {L}")
+    torch._assert(L == H * W, f"expected {H}x{W} tokens, got {L}")
     return x.transpose(1, 2).reshape(B, C, H, W).contiguous()
 
 

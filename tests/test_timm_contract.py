@@ -83,7 +83,7 @@ def test_pretrained_cfg(name):
     assert cfg["crop_pct"] == expected_crop
     assert cfg["first_conv"] == ("patch_embed1.proj" if fam == "pvt" else "patch_embed.proj")
     assert cfg["classifier"] == (("head", "head_dist") if "distilled" in name else "head")
-    assert cfg.get("pool_size") == ((side // 32,) * 2 if fam == "swin" else None)
+    assert cfg.get("pool_size") == ((side // 32,) * 2 if fam != "deit" else None)
     assert cfg["fixed_input_size"] is (fam != "pvt")
 
 
@@ -118,6 +118,8 @@ def test_structure_feature_info_group_matcher(name):
         assert info.channels() == [64, 128, 320, 512] and info.reduction() == [4, 8, 16, 32]
         n_blocks = sum(len(getattr(model, f"block{i}")) for i in range(1, 5))
     assert set(model.no_weight_decay()) <= set(params) | {"dist_token"}
+    if fam == "pvt":  # position embeddings get no weight decay (as timm's DeiT / PVT-v2)
+        assert model.no_weight_decay() == {"cls_token", "pos_embed1", "pos_embed2", "pos_embed3", "pos_embed4"}
     # layer-wise LR decay: stem, one group per block, head; every parameter placed
     layer_of = group_parameters(model, model.group_matcher(), reverse=True)
     assert set(layer_of) == set(params)
@@ -374,3 +376,181 @@ def test_layer_decay_optimizer():
     # the patch merging of stage 0 shares the layer of stage 0's last block
     assert scale_of[id(params["layers.0.downsample.reduction.weight"])][0] == \
         scale_of[id(params["layers.0.blocks.1.mlp.fc1.weight"])][0]
+
+
+def test_pvt_optimizer_skips_position_embeddings():
+    """create_optimizer_v2 (weight decay off for no_weight_decay() and 1-d parameters): PVT's
+    position embeddings and class token get none, its weights 0.05."""
+    model = timm.create_model("mesa_pvt_tiny", img_size=64)
+    opt = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05)
+    wd = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    params = dict(model.named_parameters())
+    for i in range(1, 5):
+        assert wd[id(params[f"pos_embed{i}"])] == 0.0
+    assert wd[id(params["cls_token"])] == 0.0 and wd[id(params["head.weight"])] == 0.05
+
+
+# ---- FX and TorchScript: timm's test_model_forward_fx / backward_fx / forward_torchscript /
+# forward_fx_torchscript / forward_torchscript_with_features_fx ------------------------------------
+def fx_model(model, train=False):
+    """timm's tests/test_models.py ``_create_fx_model``: torchvision's feature extractor over the
+    graph output, traced with timm's notrace modules / functions (the Mesa layers among them)."""
+    from timm.models import get_notrace_functions, get_notrace_modules
+    from torchvision.models.feature_extraction import (NodePathTracer, create_feature_extractor,
+                                                       get_graph_node_names)
+    kw = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(),
+              param_shapes_constant=True)
+    train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=kw)
+    train_return = [train_nodes[-1]]
+    if train:
+        graph_nodes = list(reversed(NodePathTracer(**kw).trace(model).nodes))
+        outs = [n.name for n in graph_nodes[0]._input_nodes.keys()]
+        names = [n.name for n in graph_nodes]
+        train_return = [train_nodes[-names.index(o)] for o in outs]
+    return create_feature_extractor(model, train_return_nodes=train_return, eval_return_nodes=[eval_nodes[-1]],
+                                    tracer_kwargs=kw)
+
+
+def fx_out(fx, x):
+    return cat(tuple(fx(x).values()))
+
+
+def test_mesa_layers_are_fx_leaves():
+    from timm.models import get_notrace_functions, get_notrace_modules
+    assert set(ms.layers.MESA_LAYERS) <= set(get_notrace_modules())
+    assert models.pvt.stage_pos_embed in get_notrace_functions()
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_fx_trace_forward_backward(name):
+    """timm's test_model_forward_fx (eval: the traced graph gives the same output, bit for bit)
+    and test_model_backward_fx (train, 42 classes: every parameter gets a gradient); then the
+    traced eval graph scripts (test_model_forward_fx_torchscript)."""
+    model = timm.create_model(name, **small(name)).eval()
+    x = image(model, batch=1)
+    with torch.inference_mode():
+        want = cat(model(x))
+        got = fx_out(fx_model(model), x)
+    assert torch.equal(got, want) and got.shape == (1, 1000)
+
+    model = timm.create_model(name, num_classes=42, **small(name)).train()
+    fx = fx_model(model, train=True)
+    out = fx_out(fx, image(model))
+    out.mean().backward()
+    assert out.shape[-1] == 42 and not torch.isnan(out).any()
+    missing = [n for n, p in fx.named_parameters() if p.grad is None]
+    assert not missing, missing[:5]
+    assert sum(p.grad.numel() for p in fx.parameters()) == sum(p.numel() for p in model.parameters())
+
+    if "distilled" not in name:  # timm excludes the distilled DeiTs (train / eval outputs differ)
+        model.eval()
+        scripted = torch.jit.script(fx_model(model))
+        with torch.inference_mode():
+            assert torch.allclose(fx_out(scripted, x), cat(model(x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_torchscript_eval(name):
+    """timm's test_model_forward_torchscript: in eval mode a Mesa model (Mesa policy on, which
+    acts only in training) scripts like timm's models, with the eager output."""
+    with timm.set_scriptable(True):
+        model = timm.create_model(name, ms_policy="mesa8", **small(name)).eval()
+    scripted = torch.jit.script(model)
+    x = image(model, batch=1)
+    with torch.inference_mode():
+        assert torch.allclose(scripted(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FAST if "distilled" not in n))
+def test_features_fx(name):
+    """features_only=True, feature_cls='fx' (timm's FeatureGraphNet: the outputs of the
+    feature_info modules, tokens (B, [P +] N, C)): the feature channels, the stage's tokens of
+    forward_intermediates; it scripts (timm's test_model_forward_torchscript_with_features_fx)."""
+    full = timm.create_model(name, **small(name)).eval()
+    x = image(full, batch=1)
+    with torch.inference_mode():
+        want = full.forward_intermediates(x, intermediates_only=True)
+    with timm.set_scriptable(True):
+        feat = timm.create_model(name, features_only=True, feature_cls="fx", **small(name)).eval()
+    feat.graph_module.load_state_dict(full.state_dict(), strict=False)  # a subset of the keys
+    with torch.inference_mode():
+        outs = feat(x)
+        scripted = torch.jit.script(feat)(x)
+    n = len(feat.feature_info.channels())
+    assert isinstance(scripted, list) and len(outs) == len(scripted) == n
+    for o, s_, c, w in zip(outs, scripted, feat.feature_info.channels(), want[-n:]):
+        assert o.shape[-1] == c and torch.equal(o, s_)
+        tokens = w.flatten(2).transpose(1, 2)  # (B, N, C) of the NCHW map
+        assert torch.equal(o[:, o.shape[1] - tokens.shape[1]:], tokens)
+
+
+def test_size_checks_trace_and_name_the_problem():
+    """The size checks are torch._assert (as timm's): they trace, and eagerly they still name
+    the problem."""
+    deit = timm.create_model("mesa_deit_tiny_patch16_224", img_size=32).eval()
+    with pytest.raises(AssertionError, match=r"input image size \(48x48\) does not match the model's img_size 32x32"):
+        deit(torch.randn(1, 3, 48, 48))
+    with pytest.raises(AssertionError, match="expected 4x4 tokens, got 9"):
+        models.timm_api.tokens_to_nchw(torch.randn(1, 9, 2), 4, 4)
+
+
+# ---- pretrained weights: timm's test_model_load_pretrained / test_model_features_pretrained -------
+def official_file(name, tmp_path, **kw):
+    """A checkpoint in the official layout (no quantizer state) of a randomly initialised model."""
+    src = timm.create_model(name, **kw)
+    qkeys = models.checkpoint.quantizer_keys(src)
+    sd = {k: v for k, v in src.state_dict().items() if k not in qkeys}
+    path = tmp_path / f"{name}.pth"
+    torch.save({"model": sd}, path)
+    return path, sd
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_load_pretrained_adapts_like_timm(name, tmp_path):
+    """timm's test_model_load_pretrained / test_model_features_pretrained with the weights from a
+    local file (pretrained_cfg_overlay=dict(file=...): no download): another num_classes (5, 0)
+    leaves the classifier at its initialisation, in_chans=1 sums the first conv over its input
+    channels (timm's adapt_input_conv), everything else loads; features_only loads too."""
+    from timm.models import adapt_input_conv
+    kw = small(name)
+    path, sd = official_file(name, tmp_path, **kw)
+    first = timm.models.get_pretrained_cfg(name).first_conv + ".weight"
+    heads = [k for k in sd if k.split(".")[0] in ("head", "head_dist")]
+    same = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **kw)
+    assert all(torch.equal(same.state_dict()[k], v) for k, v in sd.items())
+    m = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), in_chans=1,
+                          num_classes=5, **kw)
+    own = m.state_dict()
+    assert torch.allclose(own[first], adapt_input_conv(1, sd[first]))
+    assert own["head.weight"].shape[0] == 5 and not torch.equal(own["head.weight"][:5], sd["head.weight"][:5])
+    assert all(torch.equal(own[k], v) for k, v in sd.items() if k != first and k not in heads)
+    assert m.pretrained_cfg["num_classes"] == 5 and m.pretrained_cfg["input_size"][0] == 1
+    bare = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), in_chans=1,
+                             num_classes=0, **kw)
+    assert not any(k.startswith("head") for k in bare.state_dict()) and bare.num_classes == 0
+    if family(name) != "deit":  # timm's test_model_features_pretrained (standard models)
+        feat = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)),
+                                 features_only=True, **kw)
+        assert all(torch.equal(feat.model.state_dict()[k], sd[k]) for k in feat.model.state_dict() if k in sd)
+    # pretrained=<path> takes the same route; a missing file is named
+    again = timm.create_model(name, pretrained=str(path), num_classes=5, **kw)
+    assert torch.equal(again.state_dict()[first], sd[first])
+    with pytest.raises(models.CheckpointError, match="checkpoint not found"):
+        timm.create_model(name, pretrained=str(tmp_path / "none.pth"), **kw)
+
+
+def test_pretrained_cifar100_start(tmp_path):
+    """timm.create_model('mesa_...', pretrained=True, num_classes=100) is the fine-tuning start:
+    the backbone's weights, a new 100-class head; a Mesa checkpoint's quantizer state loads too."""
+    name = "mesa_deit_tiny_patch16_224"
+    src = timm.create_model(name, img_size=32, ms_policy="mesa8").train()
+    src(torch.randn(2, 3, 32, 32)).mean().backward()  # quantizer state != its initial value
+    path = tmp_path / "mesa.pth"
+    save_checkpoint(src, path)
+    m = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), img_size=32,
+                          num_classes=100, ms_policy="mesa8")
+    want, got = src.state_dict(), m.state_dict()
+    assert got["head.weight"].shape == (100, 192)
+    assert all(torch.equal(got[k], v) for k, v in want.items() if not k.startswith("head.") or
+               k.rsplit(".", 1)[-1] in ("clip_val", "shift", "iteration"))
+    assert float(want["blocks.0.norm1.iteration"]) > 0 and float(got["blocks.0.norm1.iteration"]) > 0

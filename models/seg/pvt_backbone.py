@@ -26,7 +26,7 @@ import torch.nn as nn
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
-from ..pvt import PyramidVisionTransformer
+from ..pvt import PyramidVisionTransformer, stage_pos_embed
 from .base import (MesaBackbone, apply_arch, check_act_cfg, freeze, layer_norm_factory,
                    reject_legacy_kwargs, to_size2)
 
@@ -169,7 +169,7 @@ class MesaPVT(MesaBackbone):
                 pos_embed = getattr(b, f"pos_embed{i + 1}")
                 if i == b.num_stages - 1:
                     pos_embed = pos_embed[:, 1:]  # the class token's position is not used
-                x = getattr(b, f"pos_drop{i + 1}")(x + b._get_pos_embed(pos_embed, patch_embed, H, W))
+                x = getattr(b, f"pos_drop{i + 1}")(x + stage_pos_embed(pos_embed, patch_embed.grid_size, H, W))
             for blk in getattr(b, f"block{i + 1}"):
                 x = self.run_block(blk, blk, x, H, W)
             x = self.stage_norms[i](x)
