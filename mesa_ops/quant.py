@@ -285,9 +285,11 @@ class QuantMixin:
         mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         bits = self._bits
-        # in an activation-checkpoint recomputation the running estimates were already updated
-        # by this step's forward: quantize with them, do not update them twice
-        update = not in_backward()
+        # in a (non-reentrant) activation-checkpoint recomputation the running estimates were
+        # already updated by this step's forward: quantize with them, do not update them twice;
+        # a reentrant checkpoint's forward ran without grad (nothing quantized): its
+        # recomputation is this step's forward and updates them (see _updates_range)
+        update = _updates_range()
         be = None if compiling() else kernel_for(get_backend(x), x, x.dtype, bits)
         # eager: range update + quantize in one kernel call (CPU or CUDA), which reads a
         # row-strided x (q, k, v of a fused qkv projection) in place
@@ -348,6 +350,22 @@ class QuantMixin:
             self._seen_iteration(self._buffers["iteration"])
         return out
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the autograd node the engine runs on this thread (None outside a backward)
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+# the backward of torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True; also timm's
+# checkpoint_seq and torch.distributed's checkpoint_wrapper in REENTRANT mode): it recomputes
+# the function (whose forward ran under no_grad) and then runs a nested backward through it
+_REENTRANT_BACKWARD = "CheckpointFunctionBackward"
+
+
+def _updates_range() -> bool:
+    """Whether a quantization now updates the running range: in a forward; in a backward only
+    in a reentrant checkpoint's recomputation (the forward it replays ran without grad, so no
+    Mesa layer quantized in it), not in a non-reentrant one (the forward quantized already)."""
+    if not in_backward():
+        return True
+    node = _current_node()
+    return node is not None and type(node).__name__ == _REENTRANT_BACKWARD
 
 
 def _normalized(x: torch.Tensor, norm) -> torch.Tensor:
