@@ -222,3 +222,53 @@ def test_compressed_checkpoint_in_models_gives_every_block_a_stream():
     assert len({q.salt_name() for q in qs}) == 3
     assert all(float(q.iteration) == 2 for q in qs)
     assert not any("_mesa_input_quantizer" in k for k in model.state_dict())
+
+
+# ---- 5. the backward workspace after an exception in backward ------------------------------
+def _mlp():
+    torch.manual_seed(0)
+    m = nn.Sequential(ms.LayerNorm(32), ms.Linear(32, 64), ms.GELU(), ms.Linear(64, 32),
+                      ms.LayerNorm(32), ms.Linear(32, 32)).train()
+    ms.policy.set_mesa(m, True, 8)
+    return m
+
+
+def test_workspace_disarmed_when_a_mesa_backward_raises(monkeypatch):
+    from mesa_ops import packed
+    from mesa_ops.functional import linear as linear_mod
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    m = _mlp()
+    calls = []
+    real = linear_mod.saved_tensors
+
+    def failing(ctx, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second Linear's backward, after the first took buffers
+            raise RuntimeError("boom")
+        return real(ctx, *a, **k)
+
+    monkeypatch.setattr(linear_mod, "saved_tensors", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        m(torch.randn(4, 9, 32, requires_grad=True)).square().sum().backward()
+    ws = packed._workspace()
+    assert not ws.armed and ws.free == {} and ws.count == 0
+
+
+def test_workspace_recovers_after_an_exception_elsewhere_in_backward(monkeypatch):
+    """An exception raised outside Mesa's backwards (a hook): the next step disarms the stale
+    workspace, and after its backward nothing is held."""
+    from mesa_ops import packed
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    m = _mlp()
+    x = torch.randn(4, 9, 32, requires_grad=True)
+    y = m(x)
+    x.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook")))
+    with pytest.raises(RuntimeError, match="hook"):
+        y.square().sum().backward()
+    ws = packed._workspace()
+    assert ws.armed and ws.count > 0  # the engine dropped the callback: held until next step
+    for _ in range(2):
+        m(torch.randn(4, 9, 32, requires_grad=True)).square().sum().backward()
+        assert not ws.armed and ws.free == {} and ws.count == 0
