@@ -15,10 +15,11 @@ from .compress import compress
 from .packed import QTensor
 from .quant import QuantMixin, Quantizer
 from .ops import get_rng_state, set_rng_state
+from .nonfinite import check_nonfinite
 from .quant import set_dist_sync
 
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
            "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit"]
-__all__ += ["get_rng_state", "set_rng_state", "set_dist_sync"]
+__all__ += ["get_rng_state", "set_rng_state", "set_dist_sync", "check_nonfinite"]
 __version__ = "0.1.0"

@@ -61,6 +61,10 @@ class SDPA(nn.Module):
         on = bool(mesa or enable)
         for name in QUANTIZERS:
             setattr(self, name, Quantizer(quant_groups, tag=f"attention-{name[-1]}", enable=on, bits=bits))
+        # backward of the fused kernels: rerun the forward on the stored (dequantized) q, k, v for
+        # its softmax statistics (True: the exact gradient at the stored inputs, no bias from a
+        # logsumexp of other inputs, one more attention forward) or use the forward's (False)
+        self.consistent_backward = True
 
     def update_quantization_parameter(self, **parameters):
         from .policy import update_quantization_parameter

@@ -58,9 +58,11 @@ COMPRESSED_ATTENTION = (
 # timm modules computing F.gelu(x) / F.gelu(x, approximate='tanh') and nothing else
 _GELU_MODULES = {"timm.layers.activations.GELU": "none", "timm.layers.activations.GELUTanh": "tanh"}
 # leaf modules that save nothing for backward (or only per-sample scalars)
-_SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten)
+_SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Unfold)
 _SAVE_NOTHING_NAMES = ("timm.layers.drop.DropPath", "timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool",
-                       "timm.layers.format.Format")
+                       "timm.layers.format.Format",
+                       # mmcv / mmseg (MesaCompressed): per-sample drop-path scalars; F.pad
+                       "mmcv.cnn.bricks.drop.DropPath", "mmseg.models.utils.embed.AdaptivePadding")
 
 
 def _qualname(obj) -> str:

@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import nonfinite, reference
-from .backend import get_backend
+from .backend import get_backend, kernel_for
 
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 62) - 1
-_BASE = torch.zeros(1, dtype=torch.int64)  # Mesa's stream: seeds differ for each base value
+_BASE = [0]  # Mesa's stream: seeds differ for each base value (a host int: never a tensor read)
 
 
 _splitmix64 = reference.splitmix64
@@ -75,7 +75,7 @@ def salt_mix(salt: int) -> int:
     the CPU kernel hashes torch's generator state with it itself: ``prefix_of_mix``)."""
     mix = _SALT_MIX.get(salt)
     if mix is None:
-        mix = _SALT_MIX[salt] = _splitmix64(int(_BASE[0]) ^ _splitmix64(salt))
+        mix = _SALT_MIX[salt] = _splitmix64(_BASE[0] ^ _splitmix64(salt))
     return mix
 
 
@@ -116,16 +116,16 @@ def get_rng_state() -> torch.Tensor:
     it). The seeds also depend on torch's generator state and on each quantizer's draw count,
     which resumes from its ``iteration`` buffer (state dict): restoring the model, torch's RNG
     state and this gives the same noise."""
-    return _BASE.clone()
+    return torch.tensor([_BASE[0]], dtype=torch.int64)
 
 
 def set_rng_state(state) -> None:
     """Restore a base from :func:`get_rng_state` (another value gives an independent stream)."""
     t = torch.as_tensor(state)
-    if t.dtype != torch.int64 or t.shape != _BASE.shape:
-        raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape {tuple(_BASE.shape)} "
+    if t.dtype != torch.int64 or t.shape != (1,):
+        raise ValueError(f"mesa set_rng_state: expected an int64 tensor of shape (1,) "
                          f"from ms.get_rng_state(), got dtype {t.dtype} shape {tuple(t.shape)}")
-    _BASE.copy_(t.cpu())
+    _BASE[0] = int(t.cpu()[0])
     _SALT_MIX.clear()
 
 
@@ -151,7 +151,7 @@ def _range_update_impl(x: torch.Tensor, clip_val: torch.Tensor, shift: torch.Ten
                        sync: bool) -> torch.Tensor:
     """Running-range update in place; returns (4, G): inv, step, offset, finite (1/0) of the
     range this batch is quantized with (``range_mode``: reference.EMA / BATCH / UNION)."""
-    be = get_backend(x)
+    be = kernel_for(get_backend(x), x, x.dtype, bits)
     if sync and update and dist_world() > 1:
         mm = _synced_minmax(be, x, groups, inner)
         params = reference.range_update(x, groups, inner, clip_val, shift, iteration, decay,
@@ -198,7 +198,8 @@ def _quantize_impl(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor, draw
     quantizer's (1,) int64 CPU draw counter (advanced by one when ``advance``); ``name`` (the
     layer's) salts its seed."""
     seed = draw_seed(draws, name, advance, x.device) if stochastic else 0
-    return get_backend(x).quantize(x, inv, shift, bits, groups, inner, seed, stochastic)
+    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner,
+                                                                 seed, stochastic)
 
 
 _quantize_op = torch.library.custom_op("mesa::quantize", _quantize_impl, mutates_args=("draws",))
@@ -213,7 +214,8 @@ def _(x, inv, shift, draws, name, bits, groups, inner, stochastic, advance):
 def _dequantize_impl(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, bits: int,
                groups: int, inner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Packed codes -> flat (numel,) tensor of ``dtype``: code * step + shift per group."""
-    return get_backend(packed).dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
+    be = kernel_for(get_backend(packed), packed, dtype, bits)
+    return be.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
 
 
 _dequantize_op = torch.library.custom_op("mesa::dequantize", _dequantize_impl, mutates_args=())

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import torch
 from torch.autograd import function as _autograd_function
 
-from . import ops, reference
-from .backend import get_backend
+from . import nonfinite, ops, reference
+from .backend import get_backend, kernel_for
 
 # compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
 # name, not a wrapper around it (it runs several times per layer, each call a Python frame)
@@ -56,10 +56,10 @@ class QTensor(NamedTuple):
         if compiling():
             return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(),
                                           dtype), shape, transposed)
-        be = get_backend(packed)
+        be = kernel_for(get_backend(packed), packed, dtype, bits)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
         if not torch.is_grad_enabled() and be.has_dequantize_out and _graph_task_id() != -1:
-            flat, buf = _workspace().acquire(shape.numel(), dtype)
+            flat, buf = _workspace().acquire(shape.numel(), dtype, packed.device)
             be.dequantize_out(packed, step, shift, bits, groups, inner, flat)
             if not transposed:
                 out = flat.view(shape)
@@ -147,7 +147,7 @@ class MappedQTensor(NamedTuple):
 def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """(G, 2^bits): the values each group's codes dequantize to, in ``dtype`` (the kernel's
     one call on CPU, reference.levels elsewhere and while compiling)."""
-    be = None if compiling() else get_backend(step)
+    be = None if compiling() else kernel_for(get_backend(step), step, dtype, bits)
     kernel = getattr(be, "levels", None)
     if kernel is None:
         return reference.levels(step, shift, bits, dtype)
@@ -163,12 +163,12 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     if transposed:
         raise ValueError("mesa apply_table: a transposed packed copy has no table path")
     numel = shape.numel()
-    be = None if compiling() else get_backend(packed)
+    be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
     kernel = getattr(be, "lut_apply_out", None)
     if kernel is None:
         return reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape)
     ws = mul is None and not torch.is_grad_enabled() and in_backward()
-    out, buf = (_workspace().acquire(numel, table.dtype) if ws
+    out, buf = (_workspace().acquire(numel, table.dtype, packed.device) if ws
                 else (torch.empty(numel, dtype=table.dtype, device=packed.device), None))
     kernel(packed, table, bits, groups, inner, out, None if mul is None else mul.contiguous())
     out = out.view(shape)
@@ -209,15 +209,17 @@ def _memory_view(x: torch.Tensor, allow_transposed: bool = True, copy: bool = Tr
 
 
 class _Workspace:
-    """Reusable CPU buffers for the dequantized activations of one backward pass.
+    """Reusable buffers for the dequantized activations of one backward pass (per device).
 
     A fresh multi-MB CPU allocation costs a page fault per 4 KiB on first touch, which made
     dequantization dominate Mesa's CPU overhead. During a backward, Mesa's Functions take their
     dequantized tensors from here and hand them back (:func:`release`) once their gradients are
     computed; the buffers are dropped when the backward ends, so nothing is held during forward.
-    ``free`` maps (numel, dtype) to the free 1-D buffers of that size (a model restores a few
-    sizes over and over: one dict lookup finds one); a request no free buffer matches exactly
-    takes the smallest larger one (a slice of it) or a new buffer.
+    On CUDA the caching allocator would serve most requests too; the workspace keeps the
+    buffer of one layer's restored input for the next layer of the same size without a trip
+    through it. ``free`` maps (numel, dtype, device) to the free 1-D buffers of that size (a
+    model restores a few sizes over and over: one dict lookup finds one); a request no free
+    buffer matches exactly takes the smallest larger one (a slice of it) or a new buffer.
 
     The buffers are dropped by a callback queued on the backward (``armed``), which the engine
     runs only when the backward succeeds: a backward that raises disarms the workspace in the
@@ -232,7 +234,7 @@ class _Workspace:
         self.armed = False
         self.task = -1  # the backward (graph task id) that armed it
 
-    def acquire(self, numel: int, dtype: torch.dtype):
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device):
         """(an uninitialised 1-D tensor of ``numel`` elements, the buffer it lies in): a view of
         the tensor handed out carries the buffer as ``_mesa_ws`` (never the buffer itself: that
         would be a reference cycle)."""
@@ -243,17 +245,17 @@ class _Workspace:
             torch.autograd.Variable._execution_engine.queue_callback(self.clear)
             self.armed = True
             self.task = task
-        bucket = self.free.get((numel, dtype))
+        bucket = self.free.get((numel, dtype, device))
         if bucket:
             self.count -= 1
             buf = bucket.pop()
             return buf, buf
         best = None
-        for (n, dt), bufs in self.free.items():
-            if bufs and dt == dtype and n > numel and (best is None or n < best[0]):
-                best = (n, dt)
+        for (n, dt, dev), bufs in self.free.items():
+            if bufs and dt == dtype and dev == device and n > numel and (best is None or n < best[0]):
+                best = (n, dt, dev)
         if best is None:
-            buf = torch.empty(numel, dtype=dtype)
+            buf = torch.empty(numel, dtype=dtype, device=device)
             return buf, buf
         self.count -= 1
         buf = self.free[best].pop()
@@ -262,7 +264,7 @@ class _Workspace:
     def release(self, buf: torch.Tensor) -> None:
         """Take back a buffer (the ``_mesa_ws`` of a tensor :meth:`acquire` gave out)."""
         if self.count < self.MAX_FREE:
-            self.free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            self.free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
             self.count += 1
 
     def clear(self) -> None:
@@ -460,6 +462,7 @@ def saved_tensors(ctx, split_affine: bool = False) -> list:
     bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
     smaller tensor). An item shared with another backward (:class:`Share`) is restored once."""
     flat = ctx.saved_tensors
+    nonfinite.on_backward()
     share = getattr(ctx, "mesa_share", None)
     out = []
     for j, (kind, i, n, meta) in enumerate(ctx.mesa_layout):
@@ -501,6 +504,7 @@ def saved_packed(ctx) -> list:
     """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
     backward that reads its stored tensor through a table, without dequantizing it)."""
     flat = ctx.saved_tensors
+    nonfinite.on_backward()
     out = []
     for kind, i, n, meta in ctx.mesa_layout:
         if kind is None:

@@ -292,7 +292,10 @@ def set_mesa(model: nn.Module, enable: bool = True, bits: int = 8, tags=None, **
 # (timm's LayerNorm); others (timm's LayerNorm2d, BatchNormAct2d, Conv2dSame, ...) are left as
 # they are and their children converted.
 _CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d, nn.GELU, nn.Softmax, nn.ReLU)
-_SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm"}
+_SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm",
+                 # mmcv's wrappers (mmseg / mmdet backbones): their forward special-cases empty
+                 # inputs on torch < 1.4 / 1.5 only, and is the base forward otherwise
+                 "mmcv.cnn.bricks.wrappers.Linear", "mmcv.cnn.bricks.wrappers.Conv2d"}
 
 
 def _base_of(child: nn.Module):

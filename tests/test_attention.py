@@ -312,3 +312,28 @@ def test_cuda_model_fused_mesa_autocast_fp16():
     assert all(a.attention_path() == "mesa-sdpa" for a in model.modules() if isinstance(a, AttentionOps))
     y.float().pow(2).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_math_backward_fp16_large_logits_finite():
+    """Issue 21 defect 5: q = k = 48, D = 32 in fp16 (Swin's shifted blocks under fp16 AMP take the
+    math path): q k^T = 73,728 overflows fp16 unless q and k are scaled first; the forward is
+    finite (PyTorch's math composite scales first), and the Mesa backward must be too, and match
+    exact fp32 autograd."""
+    B, H, N, D = 2, 2, 48, 32
+    q = torch.full((B, H, N, D), 48.0)
+    q[..., 0] += torch.linspace(-1, 1, N)  # (distinct logits)
+    v = torch.randn(B, H, N, D)
+    wm = torch.zeros(2, N, N)
+    wm[1, : N // 2, N // 2:] = -100.0
+    sd = ms.SDPA(quant_groups=H, enable=True)
+    sd.train()
+    qh, vh = q.half().requires_grad_(), v.half().requires_grad_()
+    y = sd(qh, qh, vh, window_mask=wm.half())
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    assert torch.isfinite(y).all() and torch.isfinite(qh.grad).all() and torch.isfinite(vh.grad).all()
+    qf, vf = q.half().float().requires_grad_(), v.half().float().requires_grad_()  # (same inputs)
+    am = wm.unsqueeze(1).repeat(B // 2, 1, 1, 1)
+    ref = F.scaled_dot_product_attention(qf, qf, vf, attn_mask=am)
+    ref.backward(gy.float())
+    assert rel_err(vh.grad, vf.grad) < 0.05 and rel_err(qh.grad, qf.grad) < 0.05

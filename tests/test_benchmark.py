@@ -1,8 +1,8 @@
-"""models.benchmark: modes, records, the batch search, the table and the plot (small, in-process)."""
+"""benchmarks.models: modes, records, the batch search, the table and the plot (small, in-process)."""
 import pytest
 import torch
 
-from models import benchmark as B
+from benchmarks import models as B
 
 
 @pytest.mark.parametrize("mode", B.MODES)
@@ -57,3 +57,26 @@ def test_table_ratios_and_plot(tmp_path):
     out = tmp_path / "p.png"
     B.plot(recs, str(out))
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_paper_table_pairs_exact_and_mesa8_with_the_paper_column():
+    from benchmarks.gpu import PAPER_MB, paper_table
+
+    def rec(model, mode, batch, prec, mib, t, oom=False):
+        return dict(model=model, mode=mode, batch=batch, precision=prec, peak_bytes=int(mib * 2**20),
+                    step_time_s=t, oom=oom)
+    rows = [rec("deit_tiny_patch16_224", "exact", 128, "fp16", 4000, 0.5),
+            rec("deit_tiny_patch16_224", "mesa8", 128, "fp16", 2000, 0.625),
+            rec("deit_tiny_patch16_224", "exact", 64, "bf16", 2000, 0.25),
+            rec("deit_tiny_patch16_224", "mesa8", 64, "bf16", 0, float("nan"), oom=True),
+            rec("pvt_tiny", "exact", 128, "fp16", 100, 0.1)]  # (no mesa8 row: left out)
+    lines = paper_table(rows).splitlines()
+    assert len(lines) == 4
+    row128 = next(line for line in lines if "| 128 |" in line)
+    cells = [c.strip() for c in row128.strip("|").split("|")]
+    assert cells[3:6] == ["4000", "2000", "0.500"]
+    assert cells[6:9] == [str(PAPER_MB["deit_tiny_patch16_224"][0]),
+                          str(PAPER_MB["deit_tiny_patch16_224"][1]), "0.445"]
+    assert cells[9:] == ["256", "205", "0.800"]
+    row64 = next(line for line in lines if "| 64 |" in line)
+    assert "OOM" in row64 and row64.count("| - |") >= 3

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -599,3 +600,30 @@ def test_cpp_table_lookup_equals_reference(cpp_backend, bits, dtype):
     with pytest.raises(RuntimeError, match="table must be"):
         cpp_backend.lut_apply_out(packed, table[:, :2].contiguous(), bits, g, inner,
                                   torch.empty(n, dtype=dtype))
+
+
+def test_failed_cuda_build_warns_once_then_reference(monkeypatch):
+    """Issue 21 defect 3: a failed CUDA build is tried once per process; every later call gets
+    the torch reference (which runs on CUDA tensors) after one warning; MESA_BACKEND=cuda raises."""
+    calls = []
+
+    def failing(kind, **kwargs):
+        calls.append(kind)
+        raise RuntimeError("nvcc: simulated failure")
+
+    monkeypatch.setattr(backend, "build_extension", failing)
+    backend._extension.cache_clear()
+    backend._extension_backend.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="building the CUDA kernels failed"):
+            first = backend._extension_backend("cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = [backend._cuda_backend(False) for _ in range(3)]
+        assert first is backend._REFERENCE and all(b is backend._REFERENCE for b in again)
+        assert calls == ["cuda"]
+        with pytest.raises(backend.BackendUnavailable, match="simulated failure"):
+            backend._cuda_backend(True)
+    finally:
+        backend._extension.cache_clear()
+        backend._extension_backend.cache_clear()

@@ -132,9 +132,9 @@ def test_configs_inherit_one_hop():
 
 # ---- backbones vs the classification models ----------------------------------------------------
 def test_swin_backbone_stages_equal_classification_model():
-    kw = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), drop_path_rate=0.)
-    bb = MesaSwinTransformer(arch="tiny", window_size=2, **kw).eval()
-    ref = models.swin.SwinTransformer(img_size=128, window_size=2, num_classes=0, **kw).eval()
+    kw = dict(depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8), drop_path_rate=0.)
+    bb = MesaSwinTransformer(embed_dims=32, window_size=2, **kw).eval()
+    ref = models.swin.SwinTransformer(img_size=128, embed_dim=32, window_size=2, num_classes=0, **kw).eval()
     missing = ref.load_state_dict(bb.body.state_dict(), strict=False).missing_keys
     assert all(k.endswith("attn_mask") or k.startswith("norm.") for k in missing), missing
     for i in range(4):
@@ -183,8 +183,8 @@ def test_mesa_backbone_forward_equals_exact(kind):
     if kind == "pvt":
         bb = MesaPVT(arch="tiny", img_size=64, drop_path_rate=0., ms_policy="configs/mesa/pvt_8bit.txt")
     else:
-        bb = MesaSwinTransformer(arch="tiny", drop_path_rate=0., ms_policy="configs/mesa/swin_8bit.txt",
-                                 embed_dim=48, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16))
+        bb = MesaSwinTransformer(drop_path_rate=0., ms_policy="configs/mesa/swin_8bit.txt",
+                                 embed_dims=48, depths=(2, 2, 2, 2), num_heads=(2, 4, 8, 16))
     x = torch.randn(2, 3, 64, 64)
     results = {}
     for mode in ("mesa", "exact"):
@@ -231,7 +231,9 @@ def test_swin_init_from_classification_checkpoint(tmp_path):
           ("clip_val", "shift", "iteration")}
     path = tmp_path / "swin.pth"
     torch.save(sd, path)
-    bb = MesaSwinTransformer(arch="tiny", pretrained=str(path), **kw)
+    with pytest.warns(UserWarning, match="pretrained is deprecated"):  # as mmseg's
+        bb = MesaSwinTransformer(pretrained=str(path), embed_dims=32, depths=kw["depths"],
+                                 num_heads=kw["num_heads"])
     bb.init_weights()
     name = "layers.2.blocks.1.attn.relative_position_bias_table"
     torch.testing.assert_close(bb.body.state_dict()[name], sd[name])

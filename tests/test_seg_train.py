@@ -13,7 +13,7 @@ import pytest
 import models.seg  # noqa: F401
 from data.ade20k import make_synthetic_ade20k
 from models.seg import build_config, run_test, run_train
-from models.seg.benchmark import train_step_stats
+from benchmarks.seg import train_step_stats
 from models.seg.runner import tiny_run_options
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

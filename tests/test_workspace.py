@@ -69,8 +69,8 @@ def test_every_workspace_buffer_is_handed_back(monkeypatch):
     taken, given = [], []
     acquire, release = packed._Workspace.acquire, packed._Workspace.release
 
-    def counting_acquire(self, numel, dtype):
-        out = acquire(self, numel, dtype)
+    def counting_acquire(self, numel, dtype, device):
+        out = acquire(self, numel, dtype, device)
         taken.append(out[1])
         return out
 

@@ -18,7 +18,8 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-from models import benchmark as B
+from benchmarks import models as B
+from benchmarks.gpu import paper_table
 
 
 def main(argv=None) -> None:
@@ -26,9 +27,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model", nargs="+", default=["deit_tiny_patch16_224"],
                     help="registered model name(s) (see models.list_models())")
     ap.add_argument("--modes", default="exact,exact-explicit,mesa8,mesa8-explicit,mesa4,ckpt,mesa8+cckpt")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, nargs="+", default=[8])
     ap.add_argument("--input-size", type=int, default=224)
-    ap.add_argument("--precision", choices=sorted(B.PRECISIONS), default="fp32")
+    ap.add_argument("--precision", choices=sorted(B.PRECISIONS), nargs="+", default=["fp32"])
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median) after --warmup")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -38,6 +39,11 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="", help="PNG path for memory/time bar charts")
+    ap.add_argument("--in-process", action="store_true",
+                    help="CUDA: measure every configuration in this process, one after the other "
+                         "(max_memory_allocated is reset for each; no worker start-up per row)")
+    ap.add_argument("--paper", action="store_true",
+                    help="also print exact vs mesa8 beside the paper's memory column (benchmarks.gpu)")
     ap.add_argument("--sequential", action="store_true",
                     help="CPU: time each configuration in its own worker instead of stepping a "
                          "model's modes in turn in one worker (the default, robust to other load)")
@@ -47,10 +53,16 @@ def main(argv=None) -> None:
     bad = [m for m in modes if m not in B.MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {', '.join(B.MODES)}")
-    configs = [B.Config(m, md, args.batch_size, args.input_size, args.precision, args.steps,
-                        args.warmup, args.device) for m in args.model for md in modes]
+    if args.in_process and not args.device.startswith("cuda"):
+        ap.error("--in-process measures CUDA memory only; on CPU each configuration needs its own "
+                 "process (peak RSS)")
+    configs = [B.Config(m, md, bs, args.input_size, prec, args.steps, args.warmup, args.device)
+               for prec in args.precision for bs in args.batch_size for m in args.model for md in modes]
     records, budgets = [], {}
-    if args.device == "cpu" and not args.sequential:
+    if args.in_process:
+        records = [B.measure_fresh(cfg) for cfg in tqdm(configs, desc="configurations", file=sys.stderr,
+                                                         disable=not sys.stderr.isatty())]
+    elif args.device == "cpu" and not args.sequential:
         for name in tqdm(args.model, desc="models", file=sys.stderr):
             records += B.run_interleaved([c for c in configs if c.model == name])
     else:
@@ -60,10 +72,14 @@ def main(argv=None) -> None:
             budgets[(cfg.model, cfg.mode)] = B.largest_batch(cfg, int(args.budget_gb * 2**30),
                                                              args.max_batch)
     print(f"# {platform.processor() or platform.machine()} {args.device}, torch {torch.__version__}, "
-          f"batch {args.batch_size}, {args.input_size}px, {args.precision}, median of {args.steps} steps"
+          f"batch {' '.join(map(str, args.batch_size))}, {args.input_size}px, "
+          f"{' '.join(args.precision)}, median of {args.steps} steps"
           + (f", budget {args.budget_gb} GB" if args.budget_gb else ""))
     print(B.markdown_table(records, budgets or None))
     rows = [dict(asdict(r), largest_batch=budgets.get((r.model, r.mode))) for r in records]
+    if args.paper:
+        print()
+        print(paper_table(rows))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

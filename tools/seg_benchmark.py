@@ -1,5 +1,5 @@
 """Saved activations and CPU/GPU step time of one segmentation train iteration, Mesa 8-bit vs off
-(models.seg.benchmark.train_step_stats), printed as a table:
+(benchmarks.seg.train_step_stats), printed as a table:
 
     python tools/seg_benchmark.py --crop 512 --batch 2
 """
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from models.seg.benchmark import train_step_stats
+from benchmarks.seg import train_step_stats
 
 DEFAULT_CONFIGS = ["configs/seg/fpn_pvt-tiny-mesa8_8xb4-40k_ade20k-512x512.py",
                    "configs/seg/upernet_swin-tiny-patch4-window7-mesa8_8xb2-160k_ade20k-512x512.py"]

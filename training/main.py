@@ -153,8 +153,14 @@ def _run(args, dist_info) -> dict:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
                                device="cpu" if args.model_ema_force_cpu else None)
     if dist_info.distributed:
+        # buffers are broadcast from rank 0 only for models with batch norm: Mesa's range
+        # buffers are kept equal on all ranks by its own all-reduce (ms.set_dist_sync), and a
+        # broadcast into them each step would make every quantizer re-read its iteration count
+        # from the device (a host sync per layer: see QuantMixin._draws_for)
+        bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
         model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None)
+            model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None,
+            broadcast_buffers=bn)
         model_without_ddp = model.module
 
     global_batch = args.batch_size * dist_info.world_size

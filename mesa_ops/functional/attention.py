@@ -1,9 +1,11 @@
 """Mesa attention on PyTorch's scaled-dot-product attention (SDPA) kernels.
 
 The forward runs the very kernel ``F.scaled_dot_product_attention`` would run for the same inputs
-(the flash kernel on CPU, flash / memory-efficient on CUDA, the math composite where PyTorch uses
-it, e.g. when the additive mask needs a gradient), so the output is bit-identical to exact
-training. For backward it keeps only q, k, v and the output, each packed through the Quantizer
+(the flash kernel on CPU; flash, memory-efficient or cuDNN on CUDA, as ``aten._fused_sdp_choice``
+picks, flash with the head dim padded to a multiple of 8 as F.sdpa pads it; the math composite
+where PyTorch uses it), so the output is bit-identical to exact training. One exception: where
+PyTorch would pick cuDNN for an additive mask that needs a gradient (Swin's relative position
+bias), the memory-efficient kernel runs, since cuDNN's backward gives no mask gradient. For backward it keeps only q, k, v and the output, each packed through the Quantizer
 (head-wise groups, as Mesa stores attention tensors: Pan et al., arXiv 2111.11124, Sec. 3.3), and
 the fp32 softmax statistics (logsumexp, (B, H, N)) of the fused kernels; no N x M attention matrix
 is stored. Backward dequantizes and calls PyTorch's own SDPA backward op; for the math path
@@ -109,38 +111,50 @@ def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
     return int(aten._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
 
 
+
+def _fused_forward(choice: int, q, k, v, am, scale):
+    """The fused kernel ``choice`` on (B, H, L, D) q, k, v as F.sdpa calls it: (out, logsumexp,
+    the tensors its backward takes besides, (max_q, max_k) or None)."""
+    if choice == FLASH and q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                      attn_mask=am, scale=scale)
+        return out, lse, (), None
+    if choice == FLASH:  # as F.sdpa: head dims padded to a multiple of 8, the scale of D
+        d = q.shape[-1]
+        (out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _) = aten._scaled_dot_product_flash_attention(
+            _pad8(q), _pad8(k), _pad8(v), 0.0, False, False, scale=_scale(scale, d))
+        return out[..., :d], lse, (cum_q, cum_k, rng, unused), (max_q, max_k)
+    if choice == CUDNN:
+        (out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _) = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, am, True, 0.0, False, False, scale=scale)
+        return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
+    if choice == EFFICIENT:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, _mem_eff_mask(am, q, k), True, 0.0, False, scale=scale)
+        return out, lse, (seed, offset), None
+    raise NotImplementedError(f"mesa SDPA: SDPA backend {choice} (overrideable) is not "
+                              "supported; choose another with torch.nn.attention.sdpa_kernel")
+
 class _SDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
         qc, kc, vc = as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
-        extra = ()
-        if choice == FLASH and qc.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(qc, kc, vc, 0.0, False,
-                                                                          attn_mask=am, scale=scale)
-        elif choice == FLASH:
-            (out, lse, cum_q, cum_k, max_q, max_k, rng, unused, _) = aten._scaled_dot_product_flash_attention(
-                qc, kc, vc, 0.0, False, False, scale=scale)
-            extra = (cum_q, cum_k, rng, unused)
-            ctx.max_qk = (max_q, max_k)
-        elif choice == EFFICIENT:
-            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                qc, kc, vc, _mem_eff_mask(am, qc, kc), True, 0.0, False, scale=scale)
-            extra = (seed, offset)
-        elif choice == MATH:
+        if choice == MATH:
             out = aten._scaled_dot_product_attention_math(
                 _split(qc, window_mask), _split(kc, window_mask), _split(vc, window_mask), am, 0.0,
                 False, None, scale=scale)[0].reshape(B, H, N, D)
-            lse = None
+            lse, extra = None, ()
         else:
-            raise NotImplementedError(f"mesa SDPA: SDPA backend {choice} (overrideable) is not "
-                                      "supported; choose another with torch.nn.attention.sdpa_kernel")
+            out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
         qo = _pack(mod.quant_o, out, amp16) if choice != MATH else None
         save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
                           _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
+        ctx.recompute = getattr(mod, "consistent_backward", True) and (
+            mod.quant_q.enable or mod.quant_k.enable or mod.quant_v.enable)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
         ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
@@ -157,13 +171,28 @@ class _SDPA(torch.autograd.Function):
         g = as_dtype(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
         gbias = None
         am = build_mask(bias, window_mask, qh.shape[0], cdt)
+        if ctx.recompute and ctx.choice != MATH:
+            # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
+            # backward is then the exact gradient at the dequantized inputs, as the math path's
+            # and the explicit path's are. With the forward's exact logsumexp instead, P =
+            # exp(q~ k~^T s - lse) does not sum to one and its error grows with the logits' (a
+            # bias, issue 20)
+            oh, lse, extra, ctx.max_qk = _fused_forward(ctx.choice, qh, kh, vh, am, scale)
         if ctx.choice == FLASH and qh.device.type == "cpu":
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
         elif ctx.choice == FLASH:
             cum_q, cum_k, rng, unused = extra
+            d = qh.shape[-1]
             gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
-                g, qh, kh, vh, oh, lse, cum_q, cum_k, *ctx.max_qk, 0.0, False, rng, unused, scale=scale)
+                _pad8(g), _pad8(qh), _pad8(kh), _pad8(vh), _pad8(oh), lse, cum_q, cum_k,
+                *ctx.max_qk, 0.0, False, rng, unused, scale=_scale(scale, d))
+            gq, gk, gv = gq[..., :d], gk[..., :d], gv[..., :d]
+        elif ctx.choice == CUDNN:
+            cum_q, cum_k, seed, offset = extra
+            gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
+                g, qh, kh, vh, oh, lse, seed, offset, am, cum_q, cum_k, *ctx.max_qk, 0.0, False,
+                scale=scale)
         elif ctx.choice == EFFICIENT:
             seed, offset = extra
             need_bias = bias is not None and ctx.needs_input_grad[3]
@@ -184,32 +213,50 @@ class _SDPA(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
+def _pad8(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dim zero-padded to a multiple of 8 (what F.sdpa hands the CUDA flash
+    kernel, which needs it: ``pad_last_dim<8>`` in PyTorch's attention.cpp)."""
+    d = t.shape[-1]
+    return t if d % 8 == 0 else torch.nn.functional.pad(t, (0, -d % 8))
+
+
+def _scale(scale, d: int) -> float:
+    """The softmax scale SDPA uses for head dim ``d`` (``scale`` or 1 / sqrt(d))."""
+    return d ** -0.5 if scale is None else scale
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
 def _math_backward(g, q, k, v, am, window_mask, scale, need_bias: bool):
     """Gradients of softmax(q k^T * scale + am) v for the math path, by hand from q, k, v
     (B, H, L, D): the probabilities P are recomputed once (one matmul and a softmax; no output
     and no autograd graph), then dV = P^T g, dS = softmax'(g v^T), dQ = dS k * scale,
     dK = dS^T q * scale and d(am) = dS summed over the batch (over the windows' batch items with
-    ``window_mask``: (H, N, M) then). Rows masked out entirely get P = 0, as SDPA's safe softmax."""
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    q5, k5, v5, g5 = (_split(t, window_mask) for t in (q, k, v, g))
-    s = torch.matmul(q5, k5.transpose(-2, -1)).mul_(scale)
+    ``window_mask``: (H, N, M) then). As PyTorch's math forward: q and k are scaled by
+    sqrt(scale) before their product, rows masked out entirely get P = 0 (safe softmax), and
+    fp16 / bf16 inputs are computed in fp32 (an fp16 q k^T overflows where the scaled logits do
+    not); the gradients come back in the inputs' dtype."""
+    dt = q.dtype
+    root = _scale(scale, q.shape[-1]) ** 0.5
+    up = (lambda t: t) if dt in _WIDE else (lambda t: None if t is None else t.float())
+    q5, k5, v5, g5 = (_split(up(t), window_mask) for t in (q, k, v, g))
+    qs, ks = q5 * root, k5 * root
+    s = torch.matmul(qs, ks.transpose(-2, -1))
     if am is not None:
-        s.add_(am)
-    if am is not None and bool(torch.isneginf(am).any()):
-        p = aten._safe_softmax(s, -1)
-    else:
-        p = torch.softmax(s, -1)
+        s.add_(up(am))
+    p = aten._safe_softmax(s, -1)
     del s
     gv = torch.matmul(p.transpose(-2, -1), g5)
     ds = torch._softmax_backward_data(torch.matmul(g5, v5.transpose(-2, -1)), p, -1, p.dtype)
     del p
     gbias = None
     if need_bias:
-        gbias = ds.sum((0, 1)) if window_mask is not None else ds
-    gq = torch.matmul(ds, k5).mul_(scale)
-    gk = torch.matmul(ds.transpose(-2, -1), q5).mul_(scale)
-    return gq.reshape(q.shape), gk.reshape(k.shape), gv.reshape(v.shape), gbias
+        gbias = (ds.sum((0, 1)) if window_mask is not None else ds).to(dt)
+    gq = torch.matmul(ds, ks).mul_(root)
+    gk = torch.matmul(ds.transpose(-2, -1), qs).mul_(root)
+    return (gq.reshape(q.shape).to(dt), gk.reshape(k.shape).to(dt), gv.reshape(v.shape).to(dt),
+            gbias)
 
 
 def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = False) -> torch.Tensor:
@@ -229,9 +276,8 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     else:
         am = build_mask(bias, None, q.shape[0], cdt)
         choice = sdp_choice(as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt), am, 0.0, scale)
-        if choice == CUDNN:  # not wrapped here: the flash / memory-efficient kernel instead (same
-            # math, not necessarily the same bits as F.scaled_dot_product_attention's cuDNN kernel)
-            choice = FLASH if am is None and cdt in (torch.float16, torch.bfloat16) else EFFICIENT
+        if choice == CUDNN and bias is not None and bias.requires_grad:
+            choice = EFFICIENT  # cuDNN's backward gives no bias gradient (Swin's relative bias)
     if cdt == q.dtype and not torch.is_autocast_enabled(q.device.type):
         y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False)
     else:

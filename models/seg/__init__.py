@@ -5,8 +5,9 @@ Importing this package (configs do it with
 
 1. activates the ``mmcv._ext`` stub when mmcv-lite is installed (:mod:`models.seg.mmcv_ext_stub`;
    full mmcv's compiled ops are used when present),
-2. imports mmseg's models and registers the backbones :class:`MesaPVT` and
-   :class:`MesaSwinTransformer` in ``mmseg.registry.MODELS``.
+2. imports mmseg's models and registers in ``mmseg.registry.MODELS`` the backbones
+   :class:`MesaSwinTransformer` (mmseg's SwinTransformer contract) and :class:`MesaPVT` (mmdet's
+   PVT v1 contract), and the builder ``MesaCompressed`` (``ms.compress`` on any mmseg backbone).
 
 ``models/__init__.py`` does not import this package (mmseg is heavy); import it explicitly.
 """
@@ -16,9 +17,9 @@ mmcv_ext_stub.install()
 
 import mmseg.models  # noqa: E402,F401  (registers mmseg's heads, necks, losses, segmentors)
 
-from .backbones import MesaPVT, MesaSwinTransformer, resolve_policy  # noqa: E402
+from .backbones import MesaCompressed, MesaPVT, MesaSwinTransformer, resolve_policy  # noqa: E402
 from .runner import (build_config, register_checkpoint_safe_globals, run_test,  # noqa: E402
                      run_train, sync_bn_to_bn)
 
-__all__ = ["MesaPVT", "MesaSwinTransformer", "resolve_policy", "mmcv_ext_stub", "build_config",
+__all__ = ["MesaPVT", "MesaSwinTransformer", "MesaCompressed", "resolve_policy", "mmcv_ext_stub", "build_config",
            "register_checkpoint_safe_globals", "run_train", "run_test", "sync_bn_to_bn"]

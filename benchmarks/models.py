@@ -77,7 +77,7 @@ def _mode_policy(model: str, mode: str):
     softmax) at the mode's bits; PVT also compresses its convs (configs/mesa/pvt_8bit.txt)."""
     if not mode.startswith("mesa"):
         return None
-    from .registry import MESA_TAGS, model_entry
+    from models.registry import MESA_TAGS, model_entry
 
     tags = list(MESA_TAGS) + (["conv"] if model_entry(model).family == "pvt" else [])
     return {"bits": int(mode[4]), "tags": tags}
@@ -90,8 +90,8 @@ def checkpoint_blocks(model: nn.Module, bits: int | None = None) -> list:
 
 
 def build(cfg: Config) -> tuple[nn.Module, list]:
-    from . import create_model
-    from .layers import set_attn_impl
+    from models import create_model
+    from models.layers import set_attn_impl
 
     policy = _mode_policy(cfg.model, cfg.mode)
     model = create_model(cfg.model, ms_policy=policy, img_size=cfg.input_size,
@@ -205,8 +205,19 @@ def measure(cfg: Config) -> Record:
 _MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
+def measure_fresh(cfg: Config) -> Record:
+    """:func:`measure` in this process after freeing what earlier configurations left (CUDA:
+    its peak memory is then this configuration's own)."""
+    import gc
+
+    gc.collect()
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return measure(cfg)
+
+
 def _worker(cfg: Config, timeout: float | None, extra_env: dict | None = None) -> Record:
-    cmd = [sys.executable, "-m", "models.benchmark", json.dumps(asdict(cfg))]
+    cmd = [sys.executable, "-m", "benchmarks.models", json.dumps(asdict(cfg))]
     env = dict(os.environ, PYTHONWARNINGS="ignore", **(extra_env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -220,7 +231,7 @@ def run_interleaved(cfgs: list[Config], timeout: float | None = None) -> list[Re
     memory worker each, step times from one worker that steps all of them in turn
     (:func:`measure_interleaved`)."""
     recs = [run_in_worker(c, timeout, memory_only=True) for c in cfgs]
-    cmd = [sys.executable, "-m", "models.benchmark", "--interleaved", json.dumps([asdict(c) for c in cfgs])]
+    cmd = [sys.executable, "-m", "benchmarks.models", "--interleaved", json.dumps([asdict(c) for c in cfgs])]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
@@ -264,19 +275,20 @@ def largest_batch(cfg: Config, budget_bytes: int, max_batch: int = 4096, worker=
 
 
 def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
-    """One row per (model, mode) with ratios to the model's ``exact`` row."""
-    exact = {(r.model, r.precision): r for r in records if r.mode == "exact"}
-    explicit = {(r.model, r.precision): r for r in records if r.mode == "exact-explicit"}
+    """One row per (model, mode, precision, batch) with ratios to the ``exact`` row of the same
+    model, precision and batch."""
+    exact = {(r.model, r.precision, r.batch): r for r in records if r.mode == "exact"}
+    explicit = {(r.model, r.precision, r.batch): r for r in records if r.mode == "exact-explicit"}
     cols = ["model", "mode", "precision", "batch", "saved MiB", "saved x",
             *(["saved x explicit"] if explicit else []), "peak MiB", "peak x",
             "step s", "time x"] + (["max batch", "batch x"] if budgets else [])
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
-        e = exact.get((r.model, r.precision))
+        e = exact.get((r.model, r.precision, r.batch))
 
         def ratio(a, b):
             return f"{a / b:.3f}" if e is not None and b else "-"
-        x = explicit.get((r.model, r.precision))
+        x = explicit.get((r.model, r.precision, r.batch))
         row = [r.model, r.mode, r.precision, str(r.batch), f"{r.saved_bytes / 2**20:.1f}",
                ratio(r.saved_bytes, e.saved_bytes if e else 0),
                *([f"{r.saved_bytes / x.saved_bytes:.3f}" if x else "-"] if explicit else []),
@@ -324,7 +336,7 @@ def plot(records: list[Record], path: str) -> None:
     plt.close(fig)
 
 
-if __name__ == "__main__":  # worker: python -m models.benchmark [--interleaved] '<Config json (list)>'
+if __name__ == "__main__":  # worker: python -m benchmarks.models [--interleaved] '<Config json (list)>'
     if sys.argv[1] == "--interleaved":
         print(json.dumps(measure_interleaved([Config(**c) for c in json.loads(sys.argv[2])])))
     else:

@@ -1,0 +1,172 @@
+"""Fake CUDA for tests on machines without a GPU.
+
+Under ``torch._subclasses.fake_tensor.FakeTensorMode`` CUDA tensors exist without a GPU: every
+aten op runs its meta function (shapes, dtypes, devices; no values), so the CUDA-only Python
+branches of Mesa (SDPA's flash / memory-efficient / cuDNN calls, the fake kernels' signatures,
+the deferred non-finite check) run on the CPU machines we test on. Three pieces are needed:
+
+* :func:`to_fake_cuda`: a model built on the CPU, moved to fake CUDA (building it under the mode
+  fails: initializers read values);
+* :func:`cuda_available`: ``torch.autocast('cuda')`` (and Mesa's probe of what it computes in)
+  refuses to turn on without a CUDA device; the autocast state itself is thread-local and
+  works on fake CUDA tensors;
+* :func:`backward`: since torch 2.11 the autograd engine asks the CUDA driver for a primary
+  context of every CUDA device a graph touches, so ``loss.backward()`` cannot run on fake CUDA
+  tensors without a GPU. :func:`backward` walks the graph itself: each node is called once, in a
+  topological order, with the sum of the gradients flowing into it, each reduced to and cast
+  to the input's metadata (the engine's ``validate_outputs``), in no-grad mode (as the engine
+  runs a ``create_graph=False`` backward); ``AccumulateGrad`` nodes add into ``.grad``. Outside the
+  engine there is no graph task: Mesa's backward workspace is not used and final callbacks do not
+  run (fake flags are never queued).
+
+:class:`HostSyncCounter` counts the ops that make the host wait for the device
+(``_local_scalar_dense`` behind ``.item()`` / ``bool()`` / ``float()``, and device-to-host copies).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """A FakeTensorMode in which custom autograd Functions record which of their arguments were
+    tensors (the engine passes only those gradients on; :func:`backward` needs to know)."""
+    fn_cls = torch.autograd.Function
+    original = fn_cls.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        out = original.__get__(None, cls)(*args, **kwargs)
+        for o in out if isinstance(out, tuple) else (out,):
+            node = getattr(o, "grad_fn", None)
+            if node is not None and hasattr(node, "_forward_cls"):
+                node._tensor_args = [isinstance(a, torch.Tensor) for a in args]
+                break
+        return out
+
+    fn_cls.apply = classmethod(apply)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        fn_cls.apply = original
+
+
+@contextlib.contextmanager
+def cuda_available():
+    """``torch.cuda.is_available()`` (and bf16 support) reported True: autocast('cuda') and the
+    code probing it turn on. Enter it after :func:`to_fake_cuda` (moving a module asks the
+    driver when CUDA is said to be there)."""
+    saved = torch.cuda.is_available, torch.cuda.is_bf16_supported
+    torch.cuda.is_available = lambda: True
+    torch.cuda.is_bf16_supported = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.is_bf16_supported = saved
+
+
+def to_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` moved to fake CUDA (call inside the fake mode): parameters are replaced, not
+    swapped (a fake tensor cannot take a real one's place in place)."""
+    old = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        return module.to("cuda")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(old)
+
+
+def _topological(root) -> list:
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append((nxt, False))
+    return order[::-1]  # every node before the nodes it feeds
+
+
+def backward(loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+    """``loss.backward(grad)`` without the autograd engine (see the module docstring)."""
+    root = loss.grad_fn
+    grads = {root: [torch.ones_like(loss) if grad is None else grad]}
+    if not hasattr(root, "_input_metadata"):
+        raise TypeError("backward: the loss has no autograd graph")
+    with torch.no_grad():
+        for node in _topological(root):
+            slots = grads.pop(node, None)
+            if slots is None:
+                continue
+            if hasattr(node, "variable"):  # AccumulateGrad
+                var, g = node.variable, slots[0]
+                if g is not None:
+                    var.grad = g if var.grad is None else var.grad + g
+                continue
+            n_in = len(node._input_metadata)
+            slots = slots + [None] * (n_in - len(slots))
+            if hasattr(node, "_forward_cls"):  # a custom Function: gradients of its tensor args
+                outs = node.apply(*slots)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+                outs = [g for g, is_t in zip(outs, node._tensor_args) if is_t]
+            else:
+                outs = node(*slots)
+                outs = outs if isinstance(outs, tuple) else (outs,)
+            for (nxt, nr), g in zip(node.next_functions, outs):
+                if nxt is None or g is None:
+                    continue
+                meta = nxt._input_metadata[nr]  # as the engine's validate_outputs
+                if tuple(g.shape) != tuple(meta.shape):
+                    g = g.sum_to_size(meta.shape)
+                if g.dtype != meta.dtype:
+                    g = g.to(meta.dtype)
+                box = grads.setdefault(nxt, [])
+                box.extend([None] * (nr + 1 - len(box)))
+                box[nr] = g if box[nr] is None else box[nr] + g
+
+
+def _is_cuda(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Records every op that would block the host on a CUDA device: ``_local_scalar_dense``
+    (``.item()``, ``bool(t)``, ``float(t)``, ``int(t)``) of a CUDA tensor, and copies from CUDA to
+    the host (``.cpu()``, ``.tolist()``, ``.to('cpu')``, ``copy_`` into a CPU tensor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in (aten._local_scalar_dense, aten.item) and _is_cuda(args[0]):
+            self.syncs.append(str(func))
+        elif packet is aten._to_copy and _is_cuda(args[0]):
+            dev = kwargs.get("device")
+            if dev is not None and torch.device(dev).type == "cpu":
+                self.syncs.append(str(func))
+        elif packet is aten.copy_ and not _is_cuda(args[0]) and _is_cuda(args[1]):
+            if not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+                self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def counting_host_syncs():
+    counter = HostSyncCounter()
+    with counter:
+        yield counter

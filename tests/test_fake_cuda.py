@@ -1,0 +1,189 @@
+"""The CUDA-only Python branches of Mesa, run on fake CUDA tensors (no GPU needed).
+
+See tests/_fake_cuda.py for the harness: values are not computed, so these tests check that
+every branch runs forward and backward with the right shapes, dtypes and devices, calls the aten
+kernels PyTorch's own SDPA would call (with the arguments those kernels need), and makes no host
+sync. Values on a real GPU: tests marked ``cuda`` (scripts/cuda_check.sh).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mesa_ops as ms
+import models
+from mesa_ops.functional import attention as attn
+from tests._fake_cuda import backward, counting_host_syncs, cuda_available, fake_cuda, to_fake_cuda
+
+aten = torch.ops.aten
+HALF = (torch.float16, torch.bfloat16)
+KERNELS = {
+    attn.FLASH: (aten._scaled_dot_product_flash_attention,
+                 aten._scaled_dot_product_flash_attention_backward),
+    attn.EFFICIENT: (aten._scaled_dot_product_efficient_attention,
+                     aten._scaled_dot_product_efficient_attention_backward),
+    attn.CUDNN: (aten._scaled_dot_product_cudnn_attention,
+                 aten._scaled_dot_product_cudnn_attention_backward),
+    attn.MATH: (aten._safe_softmax, aten._softmax_backward_data),  # (the composite, decomposed)
+}
+
+
+class _Calls(TorchDispatchMode):
+    """Records (op packet, shapes of the tensor arguments) of every aten call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func.overloadpacket, [tuple(a.shape) for a in args
+                                                  if isinstance(a, torch.Tensor)]))
+        return func(*args, **kwargs or {})
+
+    def of(self, packet):
+        return [shapes for p, shapes in self.calls if p is packet]
+
+
+def _sdpa(heads, d, bits=8):
+    m = ms.SDPA(quant_groups=heads, bits=bits)
+    m.enable = True
+    return m
+
+
+# (B, H, N, M, D, mask): odd N, M != N (PVT's spatial reduction), head dims 32/40/64/80/128 and 36
+CASES = [(2, 3, 50, 50, 32, None), (2, 2, 49, 49, 40, "bias"), (1, 2, 65, 17, 64, None),
+         (1, 2, 33, 33, 80, "mask"), (1, 1, 20, 20, 128, None), (2, 2, 21, 21, 36, None)]
+
+
+def _supported(choice, dtype, mask):
+    if choice in (attn.FLASH, attn.CUDNN) and dtype not in HALF:
+        return False
+    return not (choice == attn.FLASH and mask is not None)
+
+
+@pytest.mark.parametrize("choice", [attn.FLASH, attn.EFFICIENT, attn.CUDNN, attn.MATH],
+                         ids=["flash", "efficient", "cudnn", "math"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[2]}M{c[3]}D{c[4]}{c[5] or ''}" for c in CASES])
+def test_sdpa_branches_forward_backward(monkeypatch, choice, dtype, case):
+    b, h, n, m, d, mask = case
+    if not _supported(choice, dtype, mask):
+        pytest.skip("PyTorch never picks this kernel for these inputs")
+    monkeypatch.setattr(attn, "sdp_choice", lambda *a, **k: choice)
+    with fake_cuda(), cuda_available():
+        mod = to_fake_cuda(_sdpa(h, d)).train()
+        q = torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(b, h, m, d, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(b, h, m, d, device="cuda", dtype=dtype, requires_grad=True)
+        bias = None
+        if mask is not None:  # Swin's relative position bias (learned) or a fixed additive mask
+            bias = torch.randn(1, h, n, m, device="cuda", dtype=dtype, requires_grad=mask == "bias")
+        with _Calls() as calls, counting_host_syncs() as syncs:
+            y = mod(q, k, v, attn_mask=bias)
+            backward(y.float().sum())
+        assert y.shape == (b, h, n, d) and y.dtype == dtype and y.device.type == "cuda"
+        for t in (q, k, v) + ((bias,) if mask == "bias" else ()):
+            assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == t.dtype
+        assert syncs.syncs == []
+    used = choice
+    if choice == attn.CUDNN and mask == "bias":
+        used = attn.EFFICIENT  # cuDNN's backward gives no bias gradient
+    fwd, bwd = KERNELS[used]
+    assert calls.of(fwd) and calls.of(bwd), f"{fwd} / {bwd} not called"
+    for other, (f, _) in KERNELS.items():
+        if other != used:
+            assert not calls.of(f)
+    if used == attn.FLASH:  # F.sdpa pads the head dim to a multiple of 8 for the flash kernel
+        for shapes in calls.of(fwd) + calls.of(bwd):
+            assert all(s[-1] % 8 == 0 for s in shapes if len(s) == 4), shapes
+
+
+def test_flash_pads_head_dim_36_and_slices_back(monkeypatch):
+    monkeypatch.setattr(attn, "sdp_choice", lambda *a, **k: attn.FLASH)
+    with fake_cuda(), cuda_available():
+        mod = to_fake_cuda(_sdpa(2, 36)).train()
+        q = torch.randn(2, 2, 21, 36, device="cuda", dtype=torch.float16, requires_grad=True)
+        with _Calls() as calls:
+            y = mod(q, q, q)
+            backward(y.float().sum())
+        assert y.shape[-1] == 36 and q.grad.shape == q.shape
+    fwds = calls.of(aten._scaled_dot_product_flash_attention)
+    # consistent_backward reruns the forward on the stored q, k, v in backward: padded there too
+    assert len(fwds) == (2 if mod.consistent_backward else 1)
+    assert all(fwd == [(2, 2, 21, 40)] * 3 for fwd in fwds)
+    (bwd,) = calls.of(aten._scaled_dot_product_flash_attention_backward)
+    assert [s for s in bwd if len(s) == 4] == [(2, 2, 21, 40)] * 5  # grad_out, q, k, v, out
+
+
+def test_math_window_mask_path_fake_cuda():
+    """Swin's shifted windows: 5-D inputs, the math composite, no host sync in its backward."""
+    with fake_cuda(), cuda_available():
+        mod = to_fake_cuda(_sdpa(3, 32)).train()
+        q = torch.randn(8, 3, 49, 32, device="cuda", dtype=torch.float16, requires_grad=True)
+        bias = torch.randn(1, 3, 49, 49, device="cuda", dtype=torch.float16, requires_grad=True)
+        wmask = torch.zeros(4, 49, 49, device="cuda", dtype=torch.float16)
+        with counting_host_syncs() as syncs:
+            y = mod(q, q, q, attn_mask=bias, window_mask=wmask)
+            backward(y.float().sum())
+        assert syncs.syncs == [] and q.grad.shape == q.shape and bias.grad.shape == bias.shape
+
+
+def test_host_sync_counter_sees_item_and_copies():
+    """The counter the no-sync tests rely on catches what it must."""
+    with fake_cuda():
+        t = torch.ones(3, device="cuda")
+        with counting_host_syncs() as syncs:
+            with pytest.raises(Exception):  # (fake tensors have no value to read)
+                float(t.sum())
+            t.cpu()
+            torch.empty(3).copy_(t)
+        assert len(syncs.syncs) == 3, syncs.syncs
+
+
+def _pytorch_like_choice(hopper: bool):
+    """What aten._fused_sdp_choice picks on a GPU for the models' inputs: cuDNN (H100/H200 with
+    cuDNN >= 9.15) or flash for fp16/bf16 without a mask, memory-efficient otherwise."""
+    def choose(q, k, v, am, *args, **kwargs):
+        if q.dtype in HALF and (am is None or hopper):
+            return attn.CUDNN if hopper else attn.FLASH
+        return attn.EFFICIENT
+    return choose
+
+
+MODELS = [("deit_tiny_patch16_224", "mesa_8bit"), ("swin_tiny_patch4_window7_224", "swin_8bit"),
+          ("pvt_tiny", "pvt_8bit")]
+STEPS = [(name, pol, dt, hopper) for name, pol in MODELS for dt, hopper in
+         ((None, False), (torch.float16, False))] + [
+    ("deit_tiny_patch16_224", "mesa_8bit", torch.bfloat16, True),
+    ("pvt_tiny", "pvt_8bit", torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize("name,policy,amp,hopper", STEPS,
+                         ids=[f"{s[0].split('_')[0]}-{str(s[2]).split('.')[-1]}-{'cudnn' if s[3] else 'flash'}"
+                              for s in STEPS])
+def test_mesa_train_step_on_fake_cuda_without_host_syncs(monkeypatch, name, policy, amp, hopper):
+    """A whole Mesa training step (forward, backward, SGD) of DeiT-Ti / Swin-T / PVT-Ti on fake
+    CUDA tensors, with the SDPA kernel PyTorch would pick on a GPU: every parameter gets a
+    gradient and not one op makes the host wait for the device."""
+    monkeypatch.setattr(attn, "sdp_choice", _pytorch_like_choice(hopper))
+    model = models.create_model(name, ms_policy=f"configs/mesa/{policy}.txt")
+    n_mesa = sum(1 for _, m in ms.policy.mesa_layers(model) if m.enable)
+    assert n_mesa > 0
+    with fake_cuda():
+        model = to_fake_cuda(model).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x = torch.randn(2, 3, 224, 224, device="cuda")
+        y = torch.randint(0, 1000, (2,), device="cuda")
+        with cuda_available(), counting_host_syncs() as syncs:
+            with torch.autocast("cuda", dtype=amp or torch.float16, enabled=amp is not None):
+                out = model(x)
+                loss = torch.nn.functional.cross_entropy(out, y)
+            backward(loss)
+            opt.step()
+        assert out.dtype == (amp or torch.float32) and out.shape == (2, 1000)
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        missing = [n for n, p in params if p.grad is None]
+        assert missing == []
+        assert syncs.syncs == [], syncs.syncs[:5]
