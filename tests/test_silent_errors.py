@@ -272,3 +272,58 @@ def test_workspace_recovers_after_an_exception_elsewhere_in_backward(monkeypatch
     for _ in range(2):
         m(torch.randn(4, 9, 32, requires_grad=True)).square().sum().backward()
         assert not ws.armed and ws.free == {} and ws.count == 0
+
+
+
+# ---- 4. a group whose max - min overflows float32 ------------------------------------------
+def _overflowing(shape=(2, 33, 64)):
+    """Finite values whose group range overflows float32 (3e38 - (-3e38) = inf) in the first
+    32-channel group: every element is finite, only the range is not."""
+    x = torch.randn(*shape)
+    x[0, 0, 0], x[1, 5, 3] = 3e38, -3e38
+    return x
+
+
+LAYERS_4 = {"Linear": lambda: ms.Linear(64, 8, enable=True),
+            "GELU": lambda: ms.GELU(enable=True)}
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("layer", list(LAYERS_4))
+def test_overflowing_group_range_raises_on_every_backend(monkeypatch, cpp_backend, backend, layer):
+    """The C++ kernel checks each group's range, as the reference does: FloatingPointError
+    naming the layer, and the running range is left as it was (no NaN codes, no inf clip_val
+    for later steps)."""
+    monkeypatch.setenv("MESA_BACKEND", backend)
+    m = LAYERS_4[layer]().train()
+    m(torch.randn(2, 33, 64, requires_grad=True)).sum().backward()  # a finite first step
+    state = _quant_state(m)
+    with pytest.raises(FloatingPointError, match="holds NaN or Inf"):
+        m(_overflowing().requires_grad_())
+    assert _quant_state(m).keys() == state.keys()
+    for k, (c, s, it) in _quant_state(m).items():
+        assert torch.equal(c, state[k][0]) and torch.equal(s, state[k][1]) and it == state[k][2]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_overflowing_group_range_skipped_keeps_the_range_finite(monkeypatch, cpp_backend, backend):
+    """nonfinite='skip': one warning, the overflowing group's stored copy is marked non-finite
+    (a non-finite gradient, as exact training of such values gives), the running range is not
+    updated, and the next finite step trains on a finite range."""
+    from mesa_ops import nonfinite
+
+    monkeypatch.setenv("MESA_BACKEND", backend)
+    monkeypatch.setattr(nonfinite, "_WARNED", set())  # (warned once per layer name)
+    m = ms.Linear(64, 8, enable=True).train()
+    m.nonfinite = "skip"
+    m(torch.randn(2, 33, 64)).sum().backward()
+    clip = m.clip_val.clone()
+    with pytest.warns(RuntimeWarning, match="NaN or Inf"):
+        m(_overflowing()).sum().backward()
+    assert not torch.isfinite(m.weight.grad).all()
+    assert torch.equal(m.clip_val, clip) and float(m.iteration) == 1.0
+    m.zero_grad()
+    x = torch.randn(2, 33, 64)
+    m(x).sum().backward()
+    assert torch.isfinite(m.clip_val).all() and float(m.iteration) == 2.0
+    assert torch.isfinite(m.weight.grad).all()
