@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as tckpt
 
 from .packed import QTensor
-from .quant import QuantMixin, Quantizer, channel_dim
+from .quant import DIST_SYNC_KEY, QuantMixin, Quantizer, channel_dim
 
 __all__ = ["checkpoint_block", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
 GROUP_SIZE = 32
@@ -49,10 +49,14 @@ def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
     g = c // GROUP_SIZE if c % GROUP_SIZE == 0 and c >= GROUP_SIZE else 1
     keep = isinstance(site, nn.Module)
     old = site.__dict__.get(_SITE_QUANTIZER) if keep else None
+    # (the all-reduce of its batch range follows the block's ms.set_dist_sync setting)
+    sync = site.__dict__.get(DIST_SYNC_KEY, True) if keep else True
     if old is not None and old.bits == bits and old.quant_groups == g and old.clip_val.device == x.device:
+        old.dist_sync = sync
         return old
     q = Quantizer(g, tag="checkpoint", enable=True, bits=bits).to(x.device)
     q.range_mode = "batch"
+    q.dist_sync = sync
     q.layer_name = _site_name(site) if keep else None
     if old is not None:  # other bits / groups / device: the stream goes on where it was
         q.iteration.copy_(old.iteration)

@@ -573,11 +573,17 @@ def _set_groups(target, g):
             raise PolicyError(str(exc)) from exc
 
 
+DIST_SYNC_KEY = "_mesa_dist_sync"  # a module's set_dist_sync setting
+
+
 def set_dist_sync(model: torch.nn.Module, enabled: bool) -> int:
     """Switch the cross-rank all-reduce of the range statistics on or off for every quantizer of
-    ``model``; returns the number of quantizers set."""
+    ``model``; returns the number of quantizers set. Every module also records the setting
+    (``_mesa_dist_sync`` in its ``__dict__``), which the compressed-checkpointing input
+    quantizer of a block follows (mesa_ops.checkpoint.input_quantizer)."""
     n = 0
     for m in model.modules():
+        m.__dict__[DIST_SYNC_KEY] = bool(enabled)
         if isinstance(m, QuantMixin):
             m.dist_sync = bool(enabled)
             n += 1

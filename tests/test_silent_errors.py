@@ -327,3 +327,29 @@ def test_overflowing_group_range_skipped_keeps_the_range_finite(monkeypatch, cpp
     m(x).sum().backward()
     assert torch.isfinite(m.clip_val).all() and float(m.iteration) == 2.0
     assert torch.isfinite(m.weight.grad).all()
+
+
+# ---- issue 27.4: the checkpoint input quantizer follows ms.set_dist_sync ----------------------
+@pytest.mark.parametrize("policy", ["mesa8", None])
+def test_checkpoint_input_quantizer_follows_set_dist_sync(policy):
+    """The compressed-checkpointing input quantizer (kept on the block, not a submodule) was
+    always dist_sync=True: ms.set_dist_sync(model, False) now reaches it, whether it was made
+    before or after the call, with Mesa layers in the block or without."""
+    torch.manual_seed(0)
+    model = models.create_model("deit_tiny_patch16_224", img_size=32, depth=2, ms_policy=policy,
+                                drop_path_rate=0.0).train()
+    model.set_grad_checkpointing(True, bits=8)
+    x = torch.randn(2, 3, 32, 32)
+    model(x).sum().backward()
+    qs = lambda: [blk.__dict__["_mesa_input_quantizer"] for blk in model.blocks]  # noqa: E731
+    assert all(q.dist_sync is True for q in qs())  # the default
+    for enabled in (False, True, False):
+        ms.set_dist_sync(model, enabled)
+        model(x).sum().backward()
+        assert all(q.dist_sync is enabled for q in qs())
+    fresh = models.create_model("deit_tiny_patch16_224", img_size=32, depth=2, ms_policy=policy,
+                                drop_path_rate=0.0).train()
+    fresh.set_grad_checkpointing(True, bits=8)
+    ms.set_dist_sync(fresh, False)  # before any quantizer exists
+    fresh(x).sum().backward()
+    assert all(blk.__dict__["_mesa_input_quantizer"].dist_sync is False for blk in fresh.blocks)
