@@ -353,3 +353,33 @@ def test_checkpoint_input_quantizer_follows_set_dist_sync(policy):
     ms.set_dist_sync(fresh, False)  # before any quantizer exists
     fresh(x).sum().backward()
     assert all(blk.__dict__["_mesa_input_quantizer"].dist_sync is False for blk in fresh.blocks)
+
+
+# ---- 7. a .data change to a shared copy's source (documented, docs/core.md) -----------------
+def test_data_change_to_a_layernorm_output_is_not_seen_by_the_adopting_linear():
+    """Documented limitation: the Linear that adopts the LayerNorm's packed x-hat restores the
+    value the norm produced; a change through ``.data`` (which autograd does not see either)
+    is invisible to it. Its weight gradient is that of the unchanged input."""
+    torch.manual_seed(0)
+    norm, fc = ms.LayerNorm(32, quant_groups=4), ms.Linear(32, 24)
+    ms.policy.set_mesa(nn.Sequential(norm, fc), True, 8)
+    x = torch.randn(4, 50, 32)
+    y = norm(x)
+    y.data.mul_(-3.0)
+    fc(y).square().sum().backward()
+    g_mesa = fc.weight.grad.clone()
+    for changed in (False, True):
+        fc.zero_grad()
+        with torch.no_grad():
+            y0 = torch.nn.functional.layer_norm(x, (32,), norm.weight, norm.bias)
+            if changed:
+                y0.mul_(-3.0)
+        out = torch.nn.functional.linear(y0, fc.weight, fc.bias)
+        # (the forward output used the changed y: the gradient's dL/dout is the changed one)
+        dout = 2 * torch.nn.functional.linear(y0 * (-3.0 if not changed else 1.0), fc.weight, fc.bias)
+        g = dout.reshape(-1, 24).t() @ y0.reshape(-1, 32)
+        if changed:
+            assert rel_err(g_mesa, g) > 0.5  # not the exact gradient of what the Linear saw
+        else:
+            assert rel_err(g_mesa, g) < 2e-2  # the gradient at the norm's own output
+        del out
