@@ -13,8 +13,11 @@ regenerated on first use in backward; gradients flow into the exact input and th
 parameters as without checkpointing. Mesa layers inside the block keep working (their running
 ranges are not updated a second time by the recomputation).
 
-Input quantizer: ``range_mode='batch'`` (each step's exact per-group min / max; nothing is kept
-between steps, so no state enters the state dict), stochastic rounding, groups of
+Input quantizer: ``range_mode='batch'`` (each step's exact per-group min / max; no range is kept
+between steps and no state enters the state dict), stochastic rounding from a stream of each
+block's own that advances with every call (:func:`input_quantizer`; it is not resumed from a
+checkpoint: after a resume the checkpoint inputs draw other rounding noise than an uninterrupted
+run would), groups of
 :data:`GROUP_SIZE` channels along the channel dim (the last dim of (B, N, C) tokens, dim 1 of
 (B, C, H, W) maps): the residual stream of a Transformer has a few large channels, which a
 single range would let dominate.
@@ -26,20 +29,58 @@ import torch.nn as nn
 import torch.utils.checkpoint as tckpt
 
 from .packed import QTensor
-from .quant import Quantizer, channel_dim
+from .quant import DIST_SYNC_KEY, QuantMixin, Quantizer, channel_dim
 
 __all__ = ["checkpoint_block", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
 GROUP_SIZE = 32
 
 
-def input_quantizer(x: torch.Tensor, bits: int) -> Quantizer:
-    """A stateless (batch-range) quantizer for a checkpoint input ``x`` at ``bits`` bits."""
+def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
+    """The (batch-range) quantizer for a checkpoint input ``x`` at ``bits`` bits.
+
+    ``site``: the block module a checkpoint call runs. Its quantizer is kept on it (in its
+    ``__dict__``, not as a submodule: the state dict does not change) and reused by every later
+    call, so that each call site has its own rounding stream (salted by the name of the block,
+    from its named Mesa layers, else by the quantizer's construction number) and the stream
+    advances with every call; a fresh quantizer would round every block's input, every step,
+    with one seed. ``None`` (or a site that is not a module): a new quantizer, with a salt of
+    its own."""
     c = x.shape[channel_dim(x.dim())]
     g = c // GROUP_SIZE if c % GROUP_SIZE == 0 and c >= GROUP_SIZE else 1
+    keep = isinstance(site, nn.Module)
+    old = site.__dict__.get(_SITE_QUANTIZER) if keep else None
+    # (the all-reduce of its batch range follows the block's ms.set_dist_sync setting)
+    sync = site.__dict__.get(DIST_SYNC_KEY, True) if keep else True
+    if old is not None and old.bits == bits and old.quant_groups == g and old.clip_val.device == x.device:
+        old.dist_sync = sync
+        return old
     q = Quantizer(g, tag="checkpoint", enable=True, bits=bits).to(x.device)
     q.range_mode = "batch"
-    q.layer_name = "checkpoint input"
+    q.dist_sync = sync
+    q.layer_name = _site_name(site) if keep else None
+    if old is not None:  # other bits / groups / device: the stream goes on where it was
+        q.iteration.copy_(old.iteration)
+    if keep:
+        site.__dict__[_SITE_QUANTIZER] = q
     return q
+
+
+_SITE_QUANTIZER = "_mesa_input_quantizer"
+
+
+def _site_name(block: nn.Module) -> str | None:
+    """'checkpoint input of <the common prefix of the block's named Mesa layers>' (e.g.
+    'blocks.3'), None when none is named (policy.assign_indices names them)."""
+    names = [m.layer_name.split(".") for m in block.modules()
+             if isinstance(m, QuantMixin) and m.layer_name]
+    if not names:
+        return None
+    common = []
+    for parts in zip(*names):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return f"checkpoint input of {'.'.join(common or names[0])}"
 
 
 class _Run:
@@ -84,7 +125,7 @@ def _checkpoint(block, args, bits, kwargs):
         raise TypeError(f"checkpoint_block(bits={bits}): the first argument must be a floating "
                         f"tensor (the block input), got {type(args[0]).__name__ if args else 'nothing'}")
     x = args[0]
-    qt = input_quantizer(x, bits).quantize(x)
+    qt = input_quantizer(x, bits, block).quantize(x)
     run = _Run(block, x, qt, kwargs)
     del x
     out = tckpt.checkpoint(run, *qt.tensors(), *args[1:], use_reentrant=False)

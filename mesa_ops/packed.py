@@ -217,9 +217,14 @@ class _Workspace:
     computed; the buffers are dropped when the backward ends, so nothing is held during forward.
     On CUDA the caching allocator would serve most requests too; the workspace keeps the
     buffer of one layer's restored input for the next layer of the same size without a trip
-    through it. ``free`` maps (numel, dtype, device) to the free 1-D buffers of that size (a model restores a few
-    sizes over and over: one dict lookup finds one); a request no free buffer matches exactly
-    takes the smallest larger one (a slice of it) or a new buffer."""
+    through it. ``free`` maps (numel, dtype, device) to the free 1-D buffers of that size (a
+    model restores a few sizes over and over: one dict lookup finds one); a request no free
+    buffer matches exactly takes the smallest larger one (a slice of it) or a new buffer.
+
+    The buffers are dropped by a callback queued on the backward (``armed``), which the engine
+    runs only when the backward succeeds: a backward that raises disarms the workspace in the
+    Mesa backward the exception passes (:func:`once_differentiable`), or else in the next Mesa
+    forward or backward on this thread (an arm left by another backward is stale)."""
 
     MAX_FREE = 8  # buffers kept for reuse at most
 
@@ -227,14 +232,19 @@ class _Workspace:
         self.free: dict = {}
         self.count = 0
         self.armed = False
+        self.task = -1  # the backward (graph task id) that armed it
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device):
         """(an uninitialised 1-D tensor of ``numel`` elements, the buffer it lies in): a view of
         the tensor handed out carries the buffer as ``_mesa_ws`` (never the buffer itself: that
         would be a reference cycle)."""
+        task = _graph_task_id()
+        if self.armed and self.task != task:  # armed by a backward that raised (no callback ran)
+            self.clear()
         if not self.armed:
             torch.autograd.Variable._execution_engine.queue_callback(self.clear)
             self.armed = True
+            self.task = task
         bucket = self.free.get((numel, dtype, device))
         if bucket:
             self.count -= 1
@@ -273,6 +283,13 @@ def _workspace() -> _Workspace:
     return ws
 
 
+def disarm() -> None:
+    """Drop this thread's workspace buffers now (a backward raised: its callback never runs)."""
+    ws = getattr(_local, "ws", None)
+    if ws is not None and ws.armed:
+        ws.clear()
+
+
 def release(*tensors) -> None:
     """Give dequantized tensors back to the backward workspace (call after their last use).
     Only tensors from the workspace carry ``_mesa_ws`` (their buffer: restored in a graph-free
@@ -308,7 +325,11 @@ def once_differentiable(fn):
     @functools.wraps(fn)
     def wrapper(ctx, *args):
         if not torch.is_grad_enabled():  # the usual backward (create_graph=False): as plain does
-            return fn(ctx, *args)
+            try:
+                return fn(ctx, *args)
+            except BaseException:
+                disarm()  # the engine drops its callbacks: the buffers would stay held
+                raise
         if compiling():
             return plain(ctx, *args)
         with torch.no_grad():
@@ -417,6 +438,9 @@ _PACKED = (QTensor, AffineQTensor, MappedQTensor)  # each: tensors(), meta(), re
 def save_for_backward(ctx, *items) -> None:
     """``ctx.save_for_backward`` for a mix of packed copies (:data:`_PACKED`), Tensor and None
     items."""
+    ws = getattr(_local, "ws", None)
+    if ws is not None and ws.armed and _graph_task_id() == -1:
+        ws.clear()  # a forward outside any backward: the last backward raised, elsewhere
     flat, layout = [], []
     for it in items:
         if isinstance(it, _PACKED):

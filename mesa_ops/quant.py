@@ -28,6 +28,7 @@ autograd Functions store, share and restore them live in :mod:`mesa_ops.packed`.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -48,6 +49,8 @@ _log = logging.getLogger("mesa_ops")
 SUPPORTED_BITS = (8, 4, 2)
 _RANGE_CODE = {m: i for i, m in enumerate(RANGE_MODES)}  # 'ema' 0, 'batch' 1, 'union' 2
 NONFINITE_MODES = ("auto", "raise", "skip")
+# construction order of the quantizers of this process: the salt of an unnamed one (see salt_name)
+_INSTANCES = itertools.count()
 GROUP_DIMS = ("last", "channel")
 
 
@@ -106,6 +109,7 @@ class QuantMixin:
         self.nonfinite = "auto"
         self.dist_sync = True
         self.layer_name = None
+        self._instance = next(_INSTANCES)
         self.verbose = _log.info
 
     # ---- attributes -----------------------------------------------------------------------
@@ -233,15 +237,31 @@ class QuantMixin:
             return "skip" if amp16 else "raise"
         return self._nonfinite
 
+    def salt_name(self) -> str:
+        """The string this quantizer's rounding seeds are salted with: :meth:`describe` (the
+        layer's name, tag and index: the same in every process that builds the same model), and
+        for a quantizer without a name (a layer made with ``enable=True`` and no policy, not
+        numbered by :func:`mesa_ops.policy.assign_indices`) also its construction number in
+        this process, so that no two layers draw one noise stream. A copy (``copy.deepcopy``)
+        keeps the stream of its original."""
+        return self._salt_entry()[1]
+
     def _salt(self) -> int:
-        """The CRC-32 salt of this quantizer's seeds (of :meth:`describe`; cached per name)."""
+        """The CRC-32 salt of this quantizer's seeds (of :meth:`salt_name`; cached per name)."""
+        return self._salt_entry()[2]
+
+    def _salt_entry(self):
         key = (self.layer_name, self.tag, self.index)
         cached = self.__dict__.get("_salt_cache")
         if cached is not None and cached[0] == key:
-            return cached[1]
-        salt = ops.salt_of(self.describe())
-        self.__dict__["_salt_cache"] = (key, salt)
-        return salt
+            return cached
+        name = self.describe()
+        if not self.layer_name:
+            name = f"{name} #{self.__dict__.get('_instance', -1)}"
+        if compiling():  # no side effects while dynamo traces (the name is all it needs)
+            return key, name, None
+        cached = self.__dict__["_salt_cache"] = (key, name, ops.salt_of(name))
+        return cached
 
     def quantize(self, x: torch.Tensor, amp16: bool = False,
                  norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> QTensor:
@@ -320,12 +340,13 @@ class QuantMixin:
             x = _normalized(x, norm)
         name = self.describe()
         xs, transposed, g, inner = self._layout(x.detach(), copy=True)
+        salt_name = self.salt_name()
         clip, shift, it = self._state()
         draws = self._draws if compiling() else self._draws_for(it)
         params = ops.range_update(xs, clip, shift, it, g, inner, d, range_code, bits,
                                   update, mode, name, bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
-        packed = ops.quantize(xs, inv, sh, draws, name, bits, g, inner,
+        packed = ops.quantize(xs, inv, sh, draws, salt_name, bits, g, inner,
                               bool(self.stochastic), update)
         if not compiling():
             self._seen_iteration(it)
@@ -555,11 +576,17 @@ def _set_groups(target, g):
             raise PolicyError(str(exc)) from exc
 
 
+DIST_SYNC_KEY = "_mesa_dist_sync"  # a module's set_dist_sync setting
+
+
 def set_dist_sync(model: torch.nn.Module, enabled: bool) -> int:
     """Switch the cross-rank all-reduce of the range statistics on or off for every quantizer of
-    ``model``; returns the number of quantizers set."""
+    ``model``; returns the number of quantizers set. Every module also records the setting
+    (``_mesa_dist_sync`` in its ``__dict__``), which the compressed-checkpointing input
+    quantizer of a block follows (mesa_ops.checkpoint.input_quantizer)."""
     n = 0
     for m in model.modules():
+        m.__dict__[DIST_SYNC_KEY] = bool(enabled)
         if isinstance(m, QuantMixin):
             m.dist_sync = bool(enabled)
             n += 1

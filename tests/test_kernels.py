@@ -456,6 +456,7 @@ def test_layer_gradients_identical_on_torch_and_cpp_backends(monkeypatch, cpp_ba
         monkeypatch.setenv("MESA_BACKEND", name)
         torch.manual_seed(3)
         layer = ms.Linear(40, 24, quant_groups=4, bits=4, enable=True)
+        layer.layer_name = "fc"  # (an unnamed layer's stream is salted by its construction number)
         x = torch.randn(3, 7, 40, requires_grad=True)
         layer(x).square().sum().backward()
         grads[name] = (layer.weight.grad.clone(), layer.clip_val.clone())
