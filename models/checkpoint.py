@@ -39,7 +39,7 @@ __all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint"
 _log = logging.getLogger("models")
 FORMAT_NAME = "mesa-repro"
 FORMAT_VERSION = 1
-QUANT_BUFFERS = ("clip_val", "shift", "iteration")
+QUANT_BUFFERS = ("clip_val", "shift", "iteration", "draws")
 
 
 class CheckpointError(RuntimeError):
@@ -230,6 +230,9 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
+    # a quantizer's draw counter absent beside its iteration (older checkpoints) follows it
+    derived |= {k for k in own if k.endswith(".draws") and k in qkeys and k not in to_load
+                and k[:-len("draws")] + "iteration" in to_load}
     missing = [k for k in own if k not in to_load and k not in skipped and k not in derived]
     report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)
     missing_other = [k for k in missing if k not in qkeys]
