@@ -61,8 +61,8 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
 
 def wrap(model: nn.Module, device: torch.device, *, reshard_after_forward: bool = True,
          amp: str = "none") -> nn.Module:
-    """``fully_shard`` each of :func:`shard_units`, then the root, over all ranks (a 1-D mesh
-    on ``device``'s type). ``amp`` 'fp16' / 'bf16': parameters are all-gathered in that dtype,
+    """Broadcast rank 0's parameters and buffers, then ``fully_shard`` each of
+    :func:`shard_units` and the root, over all ranks (a 1-D mesh on ``device``'s type). ``amp`` 'fp16' / 'bf16': parameters are all-gathered in that dtype,
     gradients reduced in float32 (``MixedPrecisionPolicy``); 'none': float32 throughout."""
     if not dist.is_initialized():
         raise RuntimeError("--fsdp needs a process group: launch with torchrun (or srun)")
@@ -70,6 +70,11 @@ def wrap(model: nn.Module, device: torch.device, *, reshard_after_forward: bool 
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[amp], reduce_dtype=torch.float32) if amp in _DTYPES \
         else MixedPrecisionPolicy()
     kw = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # each rank initialised its own copy (seeded per rank): start from rank 0's, as DDP does
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type == device.type:  # (the quantizers' CPU draw counters: 0 on every rank)
+                dist.broadcast(t.data, src=0)
     for m in shard_units(model):
         fully_shard(m, **kw)
     fully_shard(model, **kw)
@@ -77,14 +82,12 @@ def wrap(model: nn.Module, device: torch.device, *, reshard_after_forward: bool 
 
 
 def full_model_state_dict(model: nn.Module, rank0_only: bool = False) -> dict:
-    """The whole (unsharded) state dict, on the CPU: on every rank (a collective), or on rank 0
-    only (others get {})."""
+    """The whole (unsharded) state dict, on the CPU: on every rank, or on rank 0 only (the
+    others get {}). A collective: every rank calls it."""
     if not is_fsdp(model):
         return {k: v.cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                broadcast_from_rank0=False)) \
-        if not rank0_only else get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+    return {k: v.cpu() for k, v in sd.items()}
 
 
 def load_full(model: nn.Module, state_dict: dict) -> None:
