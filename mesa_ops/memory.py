@@ -8,6 +8,10 @@ attributes each storage to the innermost module running when it was first saved,
         loss = model(x).sum()
     meter.total_bytes, meter.by_type   # e.g. {'Linear': 1.2e6, 'GELU': 4.1e5, ...}
 
+Parameters may be DTensors (FSDP2's ``fully_shard``): their local shards are excluded, and so are
+the unsharded parameters FSDP2 registers on a unit during its forward (read when the unit's
+forward starts).
+
 Under ``torch.compile`` run one step before measuring (the hooks must not be active while dynamo
 traces, or it traces them too); the meter then counts what the compiled graph saves, all of it
 attributed to the compiled module.
@@ -18,9 +22,16 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without torch.distributed
+    DTensor = FSDPModule = ()
 
 
 def _storage_key(t: torch.Tensor):
+    if isinstance(t, DTensor):  # an FSDP2 / tensor-parallel parameter: its local shard
+        t = t.to_local()
     s = t.untyped_storage()
     return (t.device.type, t.device.index, s.data_ptr()), s.nbytes()
 
@@ -45,21 +56,36 @@ class SavedActivationMeter:
         self._seen: dict = {}
         self.by_type: dict[str, int] = defaultdict(int)
         self._stack: list[str] = []
+        self._running: list[set] = []  # per running module: its parameters' storages
+        self._active: dict = defaultdict(int)
         self._handles = []
         self._hooks = None
 
     # module stack, for attribution
     def _pre(self, module, args):
         self._stack.append(type(module).__name__)
+        # the parameters registered now, while the module runs: of an FSDP2 unit, the unsharded
+        # ones all-gathered for its forward (freed after it: their addresses may hold
+        # activations later), not activations
+        params = module.parameters() if isinstance(module, FSDPModule) else module._parameters.values()
+        keys = {_storage_key(p)[0] for p in params if p is not None and p.device.type != "meta"}
+        self._running.append(keys)
+        for k in keys:
+            self._active[k] += 1
 
     def _post(self, module, args, out):
         if self._stack:
             self._stack.pop()
+        if self._running:
+            for k in self._running.pop():
+                self._active[k] -= 1
+                if not self._active[k]:
+                    del self._active[k]
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
             key, nbytes = _storage_key(t)
-            if key not in self._exclude and key not in self._seen:
+            if key not in self._exclude and key not in self._active and key not in self._seen:
                 self._seen[key] = nbytes
                 self.by_type[self._stack[-1] if self._stack else "(no module)"] += nbytes
         return t

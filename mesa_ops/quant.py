@@ -7,7 +7,9 @@ The range is learned by running estimates: on the first training step the batch'
 stochastic (unbiased) rounding; values outside the running range are clamped to [0, 2^b - 1].
 
 State kept in the state dict, with the original Mesa names: ``clip_val`` (G,) the range,
-``shift`` (G,) the offset (running min), ``iteration`` (1,) the number of updates.
+``shift`` (G,) the offset (running min), ``iteration`` (1,) the number of updates; and
+``draws`` (1,) int64, on the CPU, the stochastic-rounding draws so far (a checkpoint without it,
+e.g. the original's, resumes it from ``iteration``).
 
 Group layout of a tensor (``quant_groups`` = G), by the layer kind (``group_dim``):
   * ``'last'`` (Linear, LayerNorm, GELU, ReLU): G contiguous groups along the last dim, whatever
@@ -93,9 +95,10 @@ class QuantMixin:
         self.register_buffer("clip_val", torch.ones(g))
         self.register_buffer("shift", torch.zeros(g))
         self.register_buffer("iteration", torch.zeros(1))
-        # stochastic-rounding draws so far (a CPU tensor outside the state dict, resumed from
-        # ``iteration`` on load): part of each seed, see ops.make_seed
-        self._draws = torch.zeros(1, dtype=torch.int64, device="cpu")
+        # stochastic-rounding draws so far, part of each seed (see ops.make_seed): a (1,) int64
+        # buffer kept on the CPU, in the state dict so in-place loads (torch.distributed.checkpoint)
+        # restore it; a checkpoint without it resumes it from ``iteration``
+        self.register_buffer("draws", torch.zeros(1, dtype=torch.int64, device="cpu"))
         self._seen_iteration(self.iteration)
         self.enable = bool(enable)
         self.bits = bits
@@ -209,11 +212,14 @@ class QuantMixin:
         key = prefix + "clip_val"
         if self.group_size and key in state_dict and state_dict[key].shape != self.clip_val.shape:
             self._resize_groups(state_dict[key].numel())
+        derive = prefix + "draws" not in state_dict and prefix + "iteration" in state_dict
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if prefix + "iteration" in state_dict:
+        if derive:  # a checkpoint from before the counter was a buffer: it follows iteration
+            if prefix + "draws" in missing_keys:
+                missing_keys.remove(prefix + "draws")
             self._draws[0] = int(float(self.iteration.reshape(-1)[0]))
-            self._seen_iteration(self.iteration)
+        self._seen_iteration(self.iteration)
 
     # ---- the quantization path ------------------------------------------------------------
     def _state_fp32(self) -> None:
@@ -352,23 +358,38 @@ class QuantMixin:
             self._seen_iteration(it)
         return QTensor(packed, step, sh, x.shape, x.dtype, bits, g, inner, transposed)
 
-    # ---- the draw counter follows the iteration buffer -----------------------------------
+    # ---- the draw counter: a CPU buffer, or follows the iteration buffer ----------------
+    @property
+    def _draws(self) -> torch.Tensor:
+        """The ``draws`` buffer, on the CPU (moved back once if something moved it, e.g.
+        FSDP2's ``fully_shard``, which moves buffers by ``.data``)."""
+        d = self._buffers["draws"]
+        if d.device.type != "cpu":
+            d = self._buffers["draws"] = d.cpu()
+        return d
+
     def _seen_iteration(self, it: torch.Tensor) -> None:
-        """Record ``iteration`` as this quantizer last left it (the tensor and its version)."""
-        self.__dict__["_it_seen"] = (weakref.ref(it), it._version)
+        """Record ``iteration`` and ``draws`` as this quantizer last left them (tensors and
+        versions)."""
+        d = self._draws
+        self.__dict__["_it_seen"] = (weakref.ref(it), it._version, weakref.ref(d), d._version)
 
     def _draws_for(self, it: torch.Tensor) -> torch.Tensor:
-        """The (1,) int64 CPU draw counter, first re-read from ``iteration`` when that buffer
-        was changed by anyone but this quantizer since it last used it (an in-place load such
-        as torch.distributed.checkpoint's, a user's copy_, a buffer replaced): so the rounding
-        stream resumes however the state is restored. One host read then; none otherwise."""
+        """The (1,) int64 CPU draw counter. When ``iteration`` was changed by anyone but this
+        quantizer since it last used it (a user's copy_, a buffer replaced) and ``draws`` was
+        not (an in-place load, e.g. torch.distributed.checkpoint's, writes both), the counter is
+        first re-read from ``iteration``: so the rounding stream resumes however the state is
+        restored. One host read then; none otherwise."""
         seen = self.__dict__.get("_it_seen")
         if seen is None or seen[0]() is not it or seen[1] != it._version:
-            self._draws[0] = int(float(it.reshape(-1)[0]))
+            d = self._draws
+            if seen is None or (seen[2]() is d and seen[3] == d._version):
+                d[0] = int(float(it.reshape(-1)[0]))
         return self._draws
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() copy the buffers: the counter stays valid for the copies
+        # .to() / .cuda() / .half() copy the buffers: the counter stays on the CPU (an int64
+        # tensor: casts leave it), valid for the copies
         out = super()._apply(fn, recurse)
         if "iteration" in self._buffers:
             self._seen_iteration(self._buffers["iteration"])

@@ -49,7 +49,7 @@ __all__ = ["CheckpointError", "LoadReport", "load_checkpoint", "save_checkpoint"
 _log = logging.getLogger("models")
 FORMAT_NAME = "mesa-repro"
 FORMAT_VERSION = 1
-QUANT_BUFFERS = ("clip_val", "shift", "iteration")
+QUANT_BUFFERS = ("clip_val", "shift", "iteration", "draws")
 CHECKSUM_KEY = "checksum"
 CHECKSUM_ALGORITHM = "sha256-tree-v1"
 
@@ -385,6 +385,9 @@ def match_state_dict(model: nn.Module, sd: dict, meta: dict | None = None, sourc
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
+    # a quantizer's draw counter absent beside its iteration (older checkpoints) follows it
+    derived |= {k for k in own if k.endswith(".draws") and k in qkeys and k not in to_load
+                and k[:-len("draws")] + "iteration" in to_load}
     missing = [k for k in own if k not in sd and k not in skipped and k not in derived
                and k not in leave]
     report.missing_quantizer_keys = sorted(k for k in missing if k in qkeys)

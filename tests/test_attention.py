@@ -146,7 +146,7 @@ def test_sdpa_inactive_is_plain_sdpa_and_state_dict():
     y = sdpa(*tensors[:3], scale=scale)
     assert type(y.grad_fn).__name__ != "_SDPABackward"
     assert sorted(sdpa.state_dict()) == sorted(f"quant_{c}.{b}" for c in "qkvo"
-                                               for b in ("clip_val", "shift", "iteration"))
+                                               for b in ("clip_val", "shift", "iteration", "draws"))
     ms.policy.set_mesa(sdpa, bits=4)
     assert sdpa.enable and all(getattr(sdpa, f"quant_{c}").bits == 4 for c in "qkvo")
     sdpa(*tensors[:3], scale=scale).sum().backward()

@@ -135,9 +135,12 @@ def test_original_mesa_checkpoint(tmp_path):
     assert report.format == "mesa"
     # the original code has no quantizer on the patch embedding and no fused-attention SDPA module
     sdpa = [k for k in report.missing_quantizer_keys if ".attn.sdpa." in k]
-    assert len(sdpa) == 12 * 4 * 3  # blocks x (q, k, v, out) x (clip_val, shift, iteration)
+    assert len(sdpa) == 12 * 4 * 4  # blocks x (q, k, v, out) x (clip_val, shift, iteration, draws)
     assert sorted(set(report.missing_quantizer_keys) - set(sdpa)) == [
-        "patch_embed.proj.clip_val", "patch_embed.proj.iteration", "patch_embed.proj.shift"]
+        "patch_embed.proj.clip_val", "patch_embed.proj.draws", "patch_embed.proj.iteration",
+        "patch_embed.proj.shift"]
+    # where the original has the iteration, the draw counter (not in its checkpoints) follows it
+    assert int(dst.head.draws) == 1250 and "head.draws" in report.derived_keys
     assert torch.equal(dst.blocks[3].attn.softmax.quant2.clip_val,
                        sd["blocks.3.attn.softmax.quant2.clip_val"])
     assert torch.equal(dst.blocks[0].mlp.act.shift, sd["blocks.0.mlp.act.shift"])
@@ -236,7 +239,7 @@ def test_head_mismatch_and_skip():
         models.load_checkpoint(model, sd, verbose=quiet)
     head = model.head.weight.clone()
     report = models.load_checkpoint(model, sd, skip=("head.*",), verbose=quiet)  # fine-tuning on 10 classes
-    assert report.skipped_keys == ["head.bias", "head.clip_val", "head.iteration", "head.shift",
+    assert report.skipped_keys == ["head.bias", "head.clip_val", "head.draws", "head.iteration", "head.shift",
                                    "head.weight"]
     assert torch.equal(model.head.weight, head)
     assert torch.equal(model.blocks[0].attn.qkv.weight, sd["blocks.0.attn.qkv.weight"])

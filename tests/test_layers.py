@@ -506,7 +506,7 @@ def test_quantizer_state_in_state_dict():
         prefixes = ["quant1.", "quant2."] if name in ("Softmax", "MatMul") else [""]
         sd0 = mesa.state_dict()
         for p in prefixes:
-            for k in ("clip_val", "shift", "iteration"):
+            for k in ("clip_val", "shift", "iteration", "draws"):
                 assert p + k in sd0, (name, p + k)
         if name == "ReLU":
             continue  # the mask has no range
@@ -584,7 +584,7 @@ def test_instances_of_nn_layers_with_same_parameter_names(name):
     fresh = CASES[name][1]()
     res = fresh.load_state_dict(plain.state_dict(), strict=False)
     assert not res.unexpected_keys
-    assert all(k.split(".")[-1] in ("clip_val", "shift", "iteration") for k in res.missing_keys)
+    assert all(k.split(".")[-1] in ("clip_val", "shift", "iteration", "draws") for k in res.missing_keys)
 
 
 def test_policy_updates_log_instead_of_printing(capsys, caplog):

@@ -210,7 +210,7 @@ def test_pvt_init_from_classification_checkpoint(tmp_path):
     backbone through init_cfg=Pretrained; position embeddings are resized to the crop grid."""
     cls_model = models.create_model("pvt_tiny")
     sd = {k: v for k, v in cls_model.state_dict().items() if k.rsplit(".", 1)[-1] not in
-          ("clip_val", "shift", "iteration")}
+          ("clip_val", "shift", "iteration", "draws")}
     path = tmp_path / "pvt_tiny.pth"
     torch.save({"model": sd}, path)
     bb = MODELS.build(dict(type="MesaPVT", arch="tiny", img_size=128,
@@ -228,7 +228,7 @@ def test_swin_init_from_classification_checkpoint(tmp_path):
     kw = dict(embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 8))
     cls_model = models.create_model("swin_tiny_patch4_window7_224", **kw)  # window 7, head, norm, masks
     sd = {k: v for k, v in cls_model.state_dict().items() if k.rsplit(".", 1)[-1] not in
-          ("clip_val", "shift", "iteration")}
+          ("clip_val", "shift", "iteration", "draws")}
     path = tmp_path / "swin.pth"
     torch.save(sd, path)
     with pytest.warns(UserWarning, match="pretrained is deprecated"):  # as mmseg's

@@ -157,6 +157,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--no-tensorboard", action="store_true")
 
     g = _Parser(parser.add_argument_group("distributed (torchrun / srun set these from the environment)"))
+    g.add("--fsdp", action="store_true",
+          help="FSDP2 instead of DDP: fully_shard each block, then the root; checkpoints are DCP folders "
+               "(<output-dir>/checkpoint), the whole model in checkpoint_full.pth at the end")
+    g.add("--fsdp-reshard-after-forward", action="store_true", default=True,
+          help="free the all-gathered parameters after each block's forward (FSDP2's default: on)")
+    g.add("--no-fsdp-reshard-after-forward", action="store_false", dest="fsdp_reshard_after_forward")
     g.add("--world-size", type=int, default=1)
     g.add("--dist-url", default="env://")
     g.add("--local-rank", type=int, default=None, help=argparse.SUPPRESS)

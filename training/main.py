@@ -23,7 +23,7 @@ import models
 from mesa_ops import planner
 
 from . import checkpoint as ckpt
-from . import memory
+from . import fsdp, memory
 from .args import args_to_dict
 from .distributed import all_gather_object, barrier, cleanup, get_rank, init_distributed_mode, is_main_process
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
@@ -57,8 +57,14 @@ def resolve_args(args):
         raise UsageError(f"--ms-policy {args.ms_policy}: no such file (the paper's are in configs/mesa/)")
     _check_memory_args(args)
     for flag, path in (("--resume", args.resume), ("--finetune", args.finetune)):
-        if path and "://" not in path and not os.path.isfile(path):
-            raise UsageError(f"{flag} {path}: no such file")
+        if path and "://" not in path and not os.path.isfile(path) and not (
+                flag == "--resume" and fsdp.is_sharded_checkpoint(path)):
+            raise UsageError(f"{flag} {path}: no such file (or checkpoint folder)")
+    if args.fsdp and args.model_ema and not args.eval:
+        raise UsageError("--fsdp: --model-ema is not supported with sharded parameters (add --no-model-ema)")
+    if args.fsdp and args.resume and not fsdp.is_sharded_checkpoint(args.resume) and not args.eval:
+        raise UsageError(f"--fsdp --resume {args.resume}: continuing training needs a checkpoint folder "
+                         "of an --fsdp run (<output-dir>/checkpoint); a file loads with --eval or --finetune")
     if args.eval and not args.resume:
         raise UsageError("--eval needs --resume PATH_OR_URL (the checkpoint to evaluate)")
     if (args.batch_size != "auto" and args.batch_size < 1) or args.epochs < 1:
@@ -290,12 +296,22 @@ def _run(args, dist_info) -> dict:
     if args.model_ema:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
                                device="cpu" if args.model_ema_force_cpu else None)
-    if dist_info.distributed:
+    if args.fsdp:
+        if not dist_info.distributed:
+            raise UsageError("--fsdp needs several processes (torchrun --nproc_per_node N ...)")
+        if args.resume and not fsdp.is_sharded_checkpoint(args.resume):  # weights of a file, unsharded
+            _load_weights(args, model)
+        model = fsdp.wrap(model, device, reshard_after_forward=args.fsdp_reshard_after_forward, amp=args.amp)
+        model_without_ddp = model
+    elif dist_info.distributed:
         # buffers are broadcast from rank 0 only for models with batch norm: Mesa's range
         # buffers are kept equal on all ranks by its own all-reduce (ms.set_dist_sync), and a
         # broadcast into them each step would make every quantizer re-read its iteration count
         # from the device (a host sync per layer: see QuantMixin._draws_for)
         bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+        # (the quantizers' CPU draw counters are equal on all ranks: never broadcast)
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [n for n, _ in model.named_buffers() if n.endswith(".draws")])
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None,
             broadcast_buffers=bn)
@@ -322,9 +338,17 @@ def _run(args, dist_info) -> dict:
     max_accuracy = 0.0
     rng_to_restore = None
     if args.resume:
-        obj = _load_weights(args, model_without_ddp)
-        if isinstance(obj, dict) and "optimizer" in obj and "epoch" in obj:
-            optimizer.load_state_dict(obj["optimizer"])
+        sharded = fsdp.is_sharded_checkpoint(args.resume)
+        if sharded:  # model and optimizer in place, whatever the wrapping and number of ranks
+            obj = fsdp.load_sharded(args.resume, model_without_ddp, None if args.eval else optimizer)
+            log(f"loaded the sharded checkpoint {args.resume} (epoch {obj.get('epoch')})")
+        elif args.fsdp:
+            obj = {}  # (--eval) the weights were loaded before sharding
+        else:
+            obj = _load_weights(args, model_without_ddp)
+        if not args.eval and isinstance(obj, dict) and (sharded or "optimizer" in obj) and "epoch" in obj:
+            if not sharded:
+                optimizer.load_state_dict(obj["optimizer"])
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
             loss_scaler.load_state_dict(obj.get("scaler", {}))
             if model_ema is not None and "model_ema" in obj:
@@ -371,7 +395,13 @@ def _run(args, dist_info) -> dict:
             log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
             log(f"Max accuracy: {max_accuracy:.2f}%")
         rng = all_gather_object(ckpt.get_rng_states())
-        if args.output_dir and is_main_process():
+        if args.output_dir and args.fsdp:  # every rank writes its shards
+            extra = {"lr_scheduler": lr_scheduler.state_dict(), "scaler": loss_scaler.state_dict(),
+                     "epoch": int(epoch), "max_accuracy": float(max_accuracy), "args": args_dict, "rng": rng,
+                     "meta": ckpt._meta(model_without_ddp)}
+            for name in ("checkpoint",) + (("best_checkpoint",) if best else ()):
+                fsdp.save_sharded(os.path.join(args.output_dir, name), model, optimizer, extra)
+        elif args.output_dir and is_main_process():
             obj = ckpt.build_checkpoint(model_without_ddp, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                         scaler=loss_scaler, model_ema=model_ema, epoch=epoch,
                                         max_accuracy=max_accuracy, args=args_dict, rng=rng)
@@ -388,9 +418,15 @@ def _run(args, dist_info) -> dict:
         tb.scalars({"acc1": test_stats["acc1"], "acc5": test_stats["acc5"], "loss": test_stats["loss"]},
                    epoch, prefix="test/")
     tb.close()
+    if args.fsdp and args.output_dir:  # the whole model, for --eval and models.load_checkpoint
+        full = fsdp.full_model_state_dict(model, rank0_only=True)
+        if is_main_process():
+            ckpt.atomic_save({"model": full, "meta": ckpt._meta(model_without_ddp), "epoch": last - 1},
+                             os.path.join(args.output_dir, "checkpoint_full.pth"))
     if args.save_rank_state and args.output_dir:
         barrier()
-        state = models.checkpoint.add_checksum({"model": model_without_ddp.state_dict(), "rank": get_rank()})
+        state = fsdp.full_model_state_dict(model) if args.fsdp else model_without_ddp.state_dict()
+        state = models.checkpoint.add_checksum({"model": state, "rank": get_rank()})
         ckpt.atomic_save(state, os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
     return stats

@@ -1,0 +1,77 @@
+"""The stochastic-rounding draw counter is a CPU buffer in the state dict (``draws``): an in-place
+load (``torch.distributed.checkpoint``) restores it, also where it differs from ``iteration`` (a
+skipped non-finite step draws but does not update the range); a checkpoint without it (older, or
+the original Mesa code's) still loads strictly, the counter then following ``iteration``."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import models
+from mesa_ops.quant import Quantizer
+
+
+def _quantizer() -> Quantizer:
+    q = Quantizer(enable=True, bits=8)
+    q.nonfinite = "skip"
+    return q.train()
+
+
+def _step(q, x) -> torch.Tensor:
+    """The packed codes of ``x`` (stochastic rounding: they depend on the draw counter)."""
+    return q.quantize(x).packed.clone()
+
+
+def _trained() -> Quantizer:
+    torch.manual_seed(0)
+    q = _quantizer()
+    q.quantize(torch.randn(4, 8))
+    bad = torch.randn(4, 8)
+    bad[0, 0] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q.quantize(bad)  # skipped: the range (and iteration) stay, the draw counter advances
+    return q
+
+
+def test_draws_is_a_cpu_buffer_in_the_state_dict():
+    q = _trained()
+    sd = q.state_dict()
+    assert list(sd) == ["clip_val", "shift", "iteration", "draws"]
+    assert sd["draws"].dtype == torch.int64 and sd["draws"].device.type == "cpu"
+    assert int(sd["draws"]) == 2 and float(sd["iteration"]) == 1
+    assert q.to(torch.float64)._draws.dtype == torch.int64
+
+
+def test_in_place_dcp_load_resumes_the_rounding_stream(tmp_path):
+    q = _trained()
+    dcp.save(q.state_dict(), checkpoint_id=str(tmp_path / "ck"))
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    want = _step(q, x)
+    fresh = _quantizer()
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))  # in place, into the module's own tensors
+    assert int(fresh._draws) == 2 and float(fresh.iteration) == 1
+    torch.set_rng_state(rng)
+    assert torch.equal(_step(fresh, x), want)
+
+
+def test_checkpoint_without_draws_loads_strictly_and_follows_iteration():
+    q = _trained()
+    old = {k: v for k, v in q.state_dict().items() if k != "draws"}
+    fresh = _quantizer()
+    res = fresh.load_state_dict(old, strict=True)
+    assert not res.missing_keys and not res.unexpected_keys
+    assert int(fresh._draws) == 1
+    m = models.create_model("deit_tiny_patch16_224", patch_size=8, depth=1, embed_dim=32, num_heads=2,
+                            img_size=32, num_classes=10)
+    models.apply_policy(m, "mesa8", verbose=lambda *_: None)
+    sd = {k: v for k, v in m.state_dict().items() if not k.endswith(".draws")}
+    report = models.load_checkpoint(m, sd, verbose=lambda *_: None)
+    assert not report.missing_quantizer_keys and any(k.endswith(".draws") for k in report.derived_keys)
+    with pytest.raises(RuntimeError, match="draws"):  # a missing counter without iteration: an error
+        _quantizer().load_state_dict({"clip_val": torch.ones(1), "shift": torch.zeros(1)}, strict=True)
