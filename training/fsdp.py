@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from .distributed import barrier, get_world_size, is_main_process
 
 __all__ = ["EXTRA", "export_full_checkpoint", "full_model_state_dict", "is_fsdp", "is_sharded_checkpoint",
-           "load_full", "load_sharded", "save_sharded", "shard_units", "wrap"]
+           "load_sharded", "save_sharded", "shard_units", "wrap"]
 
 EXTRA = "extra.pth"
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -88,11 +88,6 @@ def full_model_state_dict(model: nn.Module, rank0_only: bool = False) -> dict:
         return {k: v.cpu() for k, v in model.state_dict().items()}
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
     return {k: v.cpu() for k, v in sd.items()}
-
-
-def load_full(model: nn.Module, state_dict: dict) -> None:
-    """Load a whole (unsharded) state dict, present on every rank, into an FSDP model."""
-    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
 def save_sharded(folder: str, model: nn.Module, optimizer, extra: dict) -> None:
