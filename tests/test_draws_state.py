@@ -16,6 +16,7 @@ from mesa_ops.quant import Quantizer
 
 def _quantizer() -> Quantizer:
     q = Quantizer(enable=True, bits=8)
+    q.layer_name = "fm"  # named: the same rounding stream in every instance (unnamed ones differ)
     q.nonfinite = "skip"
     return q.train()
 
