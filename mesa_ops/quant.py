@@ -87,7 +87,7 @@ class QuantMixin:
     group_dim = "channel"
     # Python-side settings (validated setters): TorchScript compiles a module's properties unless
     # listed here, and a scripted (eval-mode) Mesa layer is the plain layer, which reads none of them
-    __jit_unused_properties__ = ["bits", "nonfinite", "check_finite", "level"]
+    __jit_unused_properties__ = ["bits", "nonfinite", "check_finite", "level", "_draws"]
 
     def _init_quant(self, quant_groups=1, tag: str = "fm", enable: bool = False, bits: int = 8,
                     group_size: int | None = None):
