@@ -14,13 +14,12 @@ from mmengine.config import Config
 from mmengine.model import revert_sync_batchnorm
 from mmengine.optim import build_optim_wrapper
 from mmengine.registry import init_default_scope
-from mmengine.structures import PixelData
 from mmseg.registry import MODELS
-from mmseg.structures import SegDataSample
 
 import mesa_ops as ms
 import models.seg  # noqa: F401  (registers the backbones and MesaCompressed)
 import models.seg.compressed as compressed
+from benchmarks.seg import random_batch
 
 init_default_scope("mmseg")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,15 +31,8 @@ OURS_PVT = os.path.join(REPO, "configs/seg_mmseg/fpn_mesa-pvt-tiny_4xb4-160k_ade
 
 
 def _batch(n=2, size=64, classes=150, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(n, 3, size, size, generator=g)
-    samples = []
-    for _ in range(n):
-        s = SegDataSample()
-        s.gt_sem_seg = PixelData(data=torch.randint(0, classes, (1, size, size), generator=g))
-        s.set_metainfo(dict(img_shape=(size, size), pad_shape=(size, size), ori_shape=(size, size)))
-        samples.append(s)
-    return inputs, samples
+    """(images (n, 3, size, size), n SegDataSample with random labels): the benchmark's batch."""
+    return random_batch(n, size, num_classes=classes, seed=seed)
 
 
 def _one_train_step(cfg, size=64):
