@@ -147,10 +147,18 @@ class Mlp(nn.Module):
     def forward(self, x):
         x = self.fc1(x)
         x = self.act(x)
-        x = self.drop(x)
+        x = active_dropout(self.drop, x)
         x = self.fc2(x)
-        x = self.drop(x)
+        x = active_dropout(self.drop, x)
         return x
+
+
+def active_dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """``drop(x)``, skipped where it is the identity (p = 0 or eval). Eager dropout then returns
+    ``x`` itself, which keeps the packed copy it carries for the next Mesa layer (GELU -> fc2,
+    softmax -> attn@v); under torch.compile the traced dropout would give a new tensor without it,
+    and the next layer would store a second copy (issue 22.6)."""
+    return drop(x) if drop.training and drop.p > 0 else x
 
 
 def compresses(m: nn.Module) -> bool:
@@ -261,7 +269,7 @@ class AttentionOps(nn.Module):
             attn = attn.view(B // W, W, H, N, M) + mask.unsqueeze(1).unsqueeze(0)
             attn = attn.view(-1, H, N, M)
         attn = self.softmax(attn)
-        attn = self.attn_drop(attn)
+        attn = active_dropout(self.attn_drop, attn)
         return self.mm2(attn, v)
 
 
