@@ -223,6 +223,17 @@ class AttentionOps(nn.Module):
                 return "mesa-explicit"
         return "sdpa" if self.fused_attn else "explicit"
 
+    def training_path(self) -> tuple[str, bool]:
+        """The path a training forward takes (as :meth:`attention_path` in train mode with grad
+        on, without its warning) and whether it stores the (B, H, N, M) softmax output at full
+        precision: the explicit Mesa path with the softmax quantizer off (attn@v stores the
+        softmax's packed copy when it is on, also with its own first quantizer off; more bytes than exact fused SDPA, which stores no N x N matrix)."""
+        if self.attn_impl == "fused" and self.fused_attn and compresses(self.sdpa) and self.attn_drop.p == 0:
+            return "mesa-sdpa", False
+        if any(compresses(m) for m in (self.mm1, self.softmax, self.mm2)):
+            return "mesa-explicit", not compresses(self.softmax)  # (attn@v reuses its copy)
+        return ("sdpa" if self.fused_attn else "explicit"), not self.fused_attn
+
     def uses_fused(self) -> bool:
         """Whether the next forward runs an SDPA kernel (exact or Mesa)."""
         return self.attention_path() in ("sdpa", "mesa-sdpa")
