@@ -242,6 +242,42 @@ def deploy_on_init(model: nn.Module, filename: str, verbose=print, override_verb
         bits = sorted({m.bits for m in on})
         verbose(f"mesa policy: {tag}: {len(on)}/{len(tagged)} layers enabled"
                 + (f" ({'/'.join(map(str, bits))}-bit)" if on else ""))
+    report_attention_paths(model, verbose)
+
+
+_PATHS = {"mesa-sdpa": "fused Mesa SDPA (q, k, v, out packed, no N x N matrix)",
+          "mesa-explicit": "explicit q@k / softmax / attn@v (Mesa matmul / softmax)",
+          "sdpa": "exact fused SDPA (nothing compressed)",
+          "explicit": "exact explicit q@k / softmax / attn@v (nothing compressed)"}
+
+
+def report_attention_paths(model: nn.Module, verbose=print) -> dict:
+    """One ``mesa policy: attention path: ...`` line per path the model's attention modules (any
+    module with a ``training_path()`` method, e.g. ``models.layers.AttentionOps``) take in a
+    training forward, and a warning line for those that store their N x N softmax output at
+    full precision (the explicit path, taken when any matmul / softmax quantizer is on, with
+    the softmax quantizer off: at DeiT's N = 197, more bytes than exact fused SDPA).
+    Returns {module name: path}."""
+    paths, full = {}, []
+    for name, m in model.named_modules():
+        fn = getattr(m, "training_path", None)
+        if callable(fn):
+            paths[name], f = fn()
+            if f and paths[name] == "mesa-explicit":
+                full.append(name)
+    for path in _PATHS:
+        names = [n for n, p in paths.items() if p == path]
+        if names:
+            shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+            verbose(f"mesa policy: attention path: {_PATHS[path]}: {shown}")
+    if full:
+        verbose(f"mesa policy: WARNING: {len(full)} attention module(s) take the explicit path with "
+                "the softmax quantizer off and store their N x N softmax output "
+                "at full precision (B * heads * N * N values; fused SDPA stores none), which at "
+                "DeiT's N = 197 (224 px) is more than exact fused SDPA stores: "
+                "enable 'softmax' (with 'matmul') or 'attention' (fused Mesa SDPA) in the policy "
+                "(docs/attention.md)")
+    return paths
 
 
 def deploy_on_epoch(model: nn.Module, policies: list, epoch: int, optimizer=None, verbose=print):

@@ -147,10 +147,18 @@ class Mlp(nn.Module):
     def forward(self, x):
         x = self.fc1(x)
         x = self.act(x)
-        x = self.drop(x)
+        x = active_dropout(self.drop, x)
         x = self.fc2(x)
-        x = self.drop(x)
+        x = active_dropout(self.drop, x)
         return x
+
+
+def active_dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """``drop(x)``, skipped where it is the identity (p = 0 or eval). Eager dropout then returns
+    ``x`` itself, which keeps the packed copy it carries for the next Mesa layer (GELU -> fc2,
+    softmax -> attn@v); under torch.compile the traced dropout would give a new tensor without it,
+    and the next layer would store a second copy (issue 22.6)."""
+    return drop(x) if drop.training and drop.p > 0 else x
 
 
 def compresses(m: nn.Module) -> bool:
@@ -215,6 +223,17 @@ class AttentionOps(nn.Module):
                 return "mesa-explicit"
         return "sdpa" if self.fused_attn else "explicit"
 
+    def training_path(self) -> tuple[str, bool]:
+        """The path a training forward takes (as :meth:`attention_path` in train mode with grad
+        on, without its warning) and whether it stores the (B, H, N, M) softmax output at full
+        precision: the explicit Mesa path with the softmax quantizer off (attn@v stores the
+        softmax's packed copy when it is on, also with its own first quantizer off; more bytes than exact fused SDPA, which stores no N x N matrix)."""
+        if self.attn_impl == "fused" and self.fused_attn and compresses(self.sdpa) and self.attn_drop.p == 0:
+            return "mesa-sdpa", False
+        if any(compresses(m) for m in (self.mm1, self.softmax, self.mm2)):
+            return "mesa-explicit", not compresses(self.softmax)  # (attn@v reuses its copy)
+        return ("sdpa" if self.fused_attn else "explicit"), not self.fused_attn
+
     def uses_fused(self) -> bool:
         """Whether the next forward runs an SDPA kernel (exact or Mesa)."""
         return self.attention_path() in ("sdpa", "mesa-sdpa")
@@ -261,7 +280,7 @@ class AttentionOps(nn.Module):
             attn = attn.view(B // W, W, H, N, M) + mask.unsqueeze(1).unsqueeze(0)
             attn = attn.view(-1, H, N, M)
         attn = self.softmax(attn)
-        attn = self.attn_drop(attn)
+        attn = active_dropout(self.attn_drop, attn)
         return self.mm2(attn, v)
 
 

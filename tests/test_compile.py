@@ -116,3 +116,39 @@ def test_inductor_matches_eager():
     dynamo.reset()
     fn = torch.compile(compiled_model, fullgraph=True)
     _compare(eager, _steps(compiled_model, fn, x), exact=False)
+
+
+def test_deit_keeps_shared_copies_under_compile():
+    """Issue 22.6: a DeiT block (fused Mesa SDPA, Mlp with p=0 dropout) compiles in one graph and
+    keeps its shared copies: attn.proj adopts the SDPA output's packed copy and mlp.fc2 the
+    GELU's packed input, as in eager mode, so the saved bytes and gradients equal eager's (before:
+    a graph break at the SDPA backend choice; proj and fc2 stored their own inputs, 54360 bytes
+    vs 46632 here). The meter takes no module hooks (dynamo would trace them)."""
+    import models
+
+    torch.manual_seed(0)
+    eager_model = models.create_model("deit_tiny_patch16_224", img_size=32, depth=1, ms_policy="mesa8",
+                                      drop_path_rate=0.0).train()
+    compiled_model = copy.deepcopy(eager_model)
+    x = torch.randn(2, 3, 32, 32)
+
+    def step(model, fn):
+        torch.manual_seed(9)
+        fn(x).sum().backward()
+        torch.manual_seed(10)
+        model.zero_grad()
+        with ms.SavedActivationMeter(exclude=list(model.parameters()) + list(model.buffers())) as m:
+            y = fn(x)
+        y.square().sum().backward()
+        return m.total_bytes, [p.grad.clone() for p in model.parameters()]
+
+    be, ge = step(eager_model, eager_model)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    bc, gc = step(compiled_model, torch.compile(compiled_model, backend="aot_eager", fullgraph=True))
+    assert not dynamo.utils.counters["graph_break"]
+    assert bc == be
+    assert all(torch.equal(a, b) for a, b in zip(ge, gc))
+    blk = compiled_model.blocks[0]
+    assert float(blk.attn.proj.iteration) == 0 and float(blk.mlp.fc2.iteration) == 0
+    assert float(blk.attn.qkv.iteration) == 0 and float(blk.mlp.fc1.iteration) == 0  # (norms' x-hat)

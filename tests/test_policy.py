@@ -608,3 +608,64 @@ def test_readme_usage_end_to_end_timm_deit():
     print(f"\ntimm deit_tiny img 32, batch 4: saved {mesa.total_bytes} B with mesa_8bit vs "
           f"{exact.total_bytes} B exact ({mesa.total_bytes / exact.total_bytes:.3f}x)")
     assert mesa.total_bytes < 0.6 * exact.total_bytes
+
+
+# ---- issue 22 (Also): the summary names each attention's path -------------------------------
+def test_policy_summary_prints_each_attention_path(tmp_path):
+    """The default 8-bit policy runs the fused Mesa SDPA (no N x N matrix, no warning); a
+    matmul-only policy (the paper's ablations) takes the explicit path with the softmax off, and
+    the summary warns that it stores the N x N softmax output at full precision; the warning is
+    true: that model saves more bytes than the exact (fused SDPA) one."""
+    import models
+
+    def build(policy):
+        torch.manual_seed(0)
+        m = models.create_model("deit_tiny_patch16_224", img_size=32, depth=2, drop_path_rate=0.0).train()
+        msgs = []
+        if policy is not None:
+            ms.policy.deploy_on_init(m, policy, verbose=msgs.append)
+        return m, msgs
+
+    def saved(m):
+        with ms.SavedActivationMeter(m) as meter:
+            m(torch.randn(2, 3, 32, 32)).sum().backward()
+        return meter.total_bytes
+
+    m8, msgs = build("configs/mesa/mesa_8bit.txt")
+    paths = [x for x in msgs if "attention path" in x]
+    assert paths == ["mesa policy: attention path: fused Mesa SDPA (q, k, v, out packed, no N x N matrix): "
+                     "blocks.0.attn, blocks.1.attn"], msgs
+    assert not any("WARNING" in x for x in msgs)
+    assert all(b.attn.attention_path() == "mesa-sdpa" for b in m8.blocks)
+
+    mm, msgs = build(write(tmp_path, "on matmul:\n by_index: all\n enable: True\n level: 256\n", "mm.txt"))
+    paths = [x for x in msgs if "attention path" in x]
+    assert paths == ["mesa policy: attention path: explicit q@k / softmax / attn@v (Mesa matmul / softmax): "
+                     "blocks.0.attn, blocks.1.attn"], msgs
+    warn = [x for x in msgs if "WARNING" in x]
+    assert len(warn) == 1 and "2 attention module(s)" in warn[0] and "N x N softmax output" in warn[0]
+    assert all(b.attn.attention_path() == "mesa-explicit" for b in mm.blocks)
+    exact, _ = build(None)
+    assert all(b.attn.attention_path() == "sdpa" for b in exact.blocks)
+
+
+def test_matmul_only_policy_stores_more_attention_bytes_than_exact_sdpa(tmp_path):
+    """The warning's figure: DeiT-Ti at 224 px (N = 197), batch 2, one block: the explicit path
+    of a matmul-only policy stores the (2, 3, 197, 197) fp32 softmax output (931416 bytes) and
+    its attention ops store more than exact fused SDPA's q, k, v, out and logsumexp."""
+    import models
+
+    def attention_bytes(policy):
+        torch.manual_seed(0)
+        m = models.create_model("deit_tiny_patch16_224", depth=1, drop_path_rate=0.0).train()
+        if policy is not None:
+            ms.policy.deploy_on_init(m, policy, verbose=lambda *a: None)
+        with ms.SavedActivationMeter(m) as meter:
+            m(torch.randn(2, 3, 224, 224)).sum().backward()
+        return {k: v for k, v in meter.by_type.items() if k in ("Attention", "MatMul", "Softmax", "SDPA")}
+
+    exact = attention_bytes(None)
+    mm = attention_bytes(write(tmp_path, "on matmul:\n by_index: all\n enable: True\n level: 256\n", "mm.txt"))
+    assert set(exact) == {"Attention"} and set(mm) == {"MatMul", "Softmax"}
+    assert mm["Softmax"] == 2 * 3 * 197 * 197 * 4
+    assert sum(mm.values()) > exact["Attention"]

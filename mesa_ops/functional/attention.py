@@ -27,7 +27,8 @@ import functools
 import torch
 
 from ..amp import as_dtype, fp16_autocast, no_autocast
-from ..packed import QTensor, attach_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import (QTensor, attach_saved, compiling, once_differentiable, release, save_for_backward,
+                      saved_tensors)
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
@@ -105,10 +106,26 @@ def _mem_eff_mask(am, q, k):
 
 
 def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
-    """The backend ``F.scaled_dot_product_attention`` picks for these inputs (grad mode as now)."""
+    """The backend ``F.scaled_dot_product_attention`` picks for these inputs (grad mode as now).
+    Under torch.compile it is read at trace time from the inputs' shapes, strides, dtypes,
+    devices and requires_grad (a constant of the graph, no graph break)."""
     if q.dim() != 4:
         return MATH
+    if compiling():
+        metas = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
+                                              t.requires_grad) for t in (q, k, v, am))
+        return _sdp_choice_of(metas, dropout_p, scale, torch.is_grad_enabled())
     return int(aten._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
+
+
+@torch.compiler.assume_constant_result
+def _sdp_choice_of(metas, dropout_p: float, scale, grad: bool) -> int:
+    """:func:`sdp_choice` of tensors with these (shape, stride, dtype, device, requires_grad)
+    (run eagerly while dynamo traces, on empty tensors of that layout)."""
+    ts = [None if m is None else torch.empty_strided(m[0], m[1], dtype=m[2], device=m[3]).requires_grad_(m[4])
+          for m in metas]
+    with torch.set_grad_enabled(grad):
+        return int(aten._fused_sdp_choice(*ts, dropout_p, False, scale=scale))
 
 
 
@@ -137,7 +154,7 @@ def _fused_forward(choice: int, q, k, v, am, scale):
 
 class _SDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16):
+    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, out_packed=False):
         qc, kc, vc = as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt)
         B, H, N, D = qc.shape
         am = build_mask(bias, window_mask, B, cdt)
@@ -163,11 +180,19 @@ class _SDPA(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         y = token_layout(out) if merge else out
         ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
+        if out_packed:  # (torch.compile: the packed output goes out, as the GELU's packed input)
+            packed = qo.tensors() if ctx.mesa_qo is not None else ()
+            ctx.mesa_qo = None
+            ctx.mark_non_differentiable(*packed)
+            ctx.set_materialize_grads(False)
+            return (y,) + packed
         return y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, gy):
+    def backward(ctx, gy, *unused):
+        if gy is None:  # (out_packed: grads are not materialized, the output took no gradient)
+            return (None,) * 12
         items = saved_tensors(ctx)
         qh, kh, vh, oh = (None if t is None else _unpack(t, ctx.heads) for t in items[:4])
         lse, bias, window_mask = items[4:7]
@@ -215,7 +240,7 @@ class _SDPA(torch.autograd.Function):
         release(*items[:4])  # (the token-layout tensors restored: the head views carry no buffer)
         dq, dk, dv, db = ctx.dtypes
         return (as_dtype(gq, dq), as_dtype(gk, dk), as_dtype(gv, dv), as_dtype(gbias, db),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 def _pad8(t: torch.Tensor) -> torch.Tensor:
@@ -283,12 +308,22 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         choice = sdp_choice(as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt), am, 0.0, scale)
         if choice == CUDNN and bias is not None and bias.requires_grad:
             choice = EFFICIENT  # cuDNN's backward gives no bias gradient (Swin's relative bias)
+    # under torch.compile the packed output comes out of the Function (dynamo keeps no Python
+    # attributes on its nodes), for the next Linear to adopt as in eager mode (issue 22.6)
+    out_packed = merge and compiling()
     if cdt == q.dtype and not torch.is_autocast_enabled(q.device.type):
-        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False)
+        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False, out_packed)
     else:
         amp16 = fp16_autocast(q)  # read before autocast is switched off
         with no_autocast(q):
-            y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16)
+            y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, out_packed)
+    if out_packed:
+        y, *packed = y
+        if packed:
+            g, inner = mod.quant_o.groups_for(y.shape)
+            qo = QTensor(*packed, y.shape, cdt, mod.quant_o.bits, g, inner, False)
+            attach_saved(y, qo, mod.quant_o.stochastic)
+        return y
     node = y.grad_fn
     qo = getattr(node, "mesa_qo", None)
     if qo is not None:
