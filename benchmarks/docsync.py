@@ -23,6 +23,7 @@ cost       ``cheap``: run and compared by the docs test (tests/test_docs.py); ``
 grep       regex: only the output lines that match are shown (and compared)
 tail       only the last N of those lines
 ignore     regex: lines that match are not compared (timings, dates); they are still rewritten
+mask       regex: the parts of a line that match are not compared (``eta: \\S+``, ``step \\S+ ms``)
 tol        relative tolerance of every number when compared (default 0.02); text must be equal
 timeout    seconds (default 900)
 env        extra environment variables, ``"A=1 B=2"``
@@ -48,9 +49,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = re.compile(r"^<!-- run: (?P<opts>.*) -->\s*$")
 FENCE = re.compile(r"^(```+|~~~+)")
-STAMP = re.compile(r"^<sub>Output of commit \S+, \S+, written by tools/refresh_docs\.py --only \S+</sub>\s*$")
+STAMP = re.compile(r"^<sub>Output of commit .*</sub>\s*$")
 NUMBER = re.compile(r"([-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?)")
-KEYS = {"id", "lang", "cost", "grep", "tail", "ignore", "tol", "timeout", "env"}
+KEYS = {"id", "lang", "cost", "grep", "tail", "ignore", "mask", "tol", "timeout", "env"}
 
 
 class DocError(ValueError):
@@ -199,7 +200,9 @@ def differences(shown: str, got: str, opts: dict) -> list[str]:
     """Lines where ``got`` (a fresh run) differs from ``shown`` beyond the block's tolerances."""
     tol = float(opts.get("tol", 0.02))
     ignore = re.compile(opts["ignore"]) if "ignore" in opts else None
-    keep = lambda text: [ln for ln in text.splitlines() if not (ignore and ignore.search(ln))]  # noqa: E731
+    mask = re.compile(opts["mask"]) if "mask" in opts else None
+    keep = lambda text: [mask.sub("<masked>", ln) if mask else ln  # noqa: E731
+                         for ln in text.splitlines() if not (ignore and ignore.search(ln))]
     a, b = keep(shown), keep(got)
     if len(a) != len(b):
         return [f"{len(a)} lines shown, {len(b)} printed:\n--- shown\n{shown}\n--- printed\n{got}"]
