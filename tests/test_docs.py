@@ -2,7 +2,7 @@
 
 Every cheap tagged block (``<!-- run: ... -->``, see ``benchmarks/docsync.py``) is run and compared
 with the output shown under it: text equal, numbers within the block's relative tolerance (2% by
-default), lines matching its ``ignore`` pattern (timings) skipped. Expensive blocks (demo,
+default), lines matching its ``ignore`` pattern (timings) skipped. Expensive blocks (the
 benchmarks, the test suite itself) are not run here; they must carry the stamp of the commit and
 date that produced them.
 """
@@ -18,7 +18,7 @@ BLOCKS = docsync.all_blocks()
 
 
 def test_the_docs_parse_and_the_readme_is_short():
-    assert {b.id for b in BLOCKS} >= {"demo", "bench", "accuracy", "models-meter", "budget"}
+    assert {b.id for b in BLOCKS} >= {"bench", "accuracy", "models-meter", "budget"}
     readme = (docsync.ROOT / "README.md").read_text().splitlines()
     assert len(readme) < 250, f"README.md has {len(readme)} lines; keep it under 250 (details go to docs/)"
 
