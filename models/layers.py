@@ -142,23 +142,29 @@ class Mlp(nn.Module):
         self.act = build_layer(act_layer, quant_groups=qgroups(hidden_features, num_heads, "mlp.act"))
         self.fc2 = build_layer(linear_layer, hidden_features, out_features,
                                quant_groups=qgroups(hidden_features, num_heads, "mlp.fc2"))
-        self.drop = nn.Dropout(drop)
+        self.drop = Dropout(drop)
 
     def forward(self, x):
         x = self.fc1(x)
         x = self.act(x)
-        x = active_dropout(self.drop, x)
+        x = self.drop(x)
         x = self.fc2(x)
-        x = active_dropout(self.drop, x)
+        x = self.drop(x)
         return x
 
 
-def active_dropout(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """``drop(x)``, skipped where it is the identity (p = 0 or eval). Eager dropout then returns
-    ``x`` itself, which keeps the packed copy it carries for the next Mesa layer (GELU -> fc2,
-    softmax -> attn@v); under torch.compile the traced dropout would give a new tensor without it,
-    and the next layer would store a second copy (issue 22.6)."""
-    return drop(x) if drop.training and drop.p > 0 else x
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` that returns its input itself where it is the identity (p = 0 or eval), so
+    the packed copy the input carries reaches the next Mesa layer (GELU -> fc2, softmax -> attn@v);
+    under torch.compile a traced identity dropout would give a new tensor without it, and the next
+    layer would store a second copy (issue 22.6). Same state dict and repr as ``nn.Dropout``; a
+    method of a module rather than a free function so that TorchScript compiles it (eval models,
+    timm's ``test_model_forward_torchscript``)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training and self.p > 0:
+            return F.dropout(input, self.p, self.training, self.inplace)
+        return input
 
 
 def compresses(m: nn.Module) -> bool:
@@ -200,7 +206,7 @@ class AttentionOps(nn.Module):
         self.scale = scale
         self.fused_attn = fused_attn
         self.attn_impl = attn_impl
-        self.attn_drop = nn.Dropout(attn_drop)
+        self.attn_drop = Dropout(attn_drop)
         self.mm1 = build_layer(matmul_layer, quant_groups=num_heads)
         self.mm2 = build_layer(matmul_layer, quant_groups=num_heads)
         self.softmax = build_layer(softmax_layer, dim=-1, quant_groups=num_heads)
@@ -280,7 +286,7 @@ class AttentionOps(nn.Module):
             attn = attn.view(B // W, W, H, N, M) + mask.unsqueeze(1).unsqueeze(0)
             attn = attn.view(-1, H, N, M)
         attn = self.softmax(attn)
-        attn = active_dropout(self.attn_drop, attn)
+        attn = self.attn_drop(attn)
         return self.mm2(attn, v)
 
 
