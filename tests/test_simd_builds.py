@@ -53,10 +53,10 @@ def test_avx2_and_avx512_builds_give_identical_codes(monkeypatch, cpp_backend):
     monkeypatch.delenv("MESA_CPU_SIMD", raising=False)
     assert backend.cpu_simd() == "avx512"
     monkeypatch.setenv("MESA_CPU_SIMD", "avx2")
-    avx2 = backend.build_extension(with_cuda=False)  # mesa_ext_cpu_avx2 (~1 min the first time)
-    assert avx2.__name__.endswith("_avx2")
+    avx2 = backend.build_extension("cpu")  # mesa_ext_cpu_avx2 (~1 min the first time)
+    assert "_avx2_" in avx2.__name__
     exts = {"avx512": backend._cpu_extension(), "avx2": avx2}
-    assert exts["avx512"].__name__.endswith("_avx512")
+    assert "_avx512_" in exts["avx512"].__name__
     for name, x, groups, inner, norm in _cases():
         extra = ()
         if norm:
