@@ -31,7 +31,7 @@ env        extra environment variables, ``"A=1 B=2"``
 
 A command runs in a scratch directory whose entries link to the repo's top level (so ``configs/``,
 ``tools/``, ``.venv/`` resolve and ``outputs/`` is written there, never into the checkout), with the
-repo on ``PYTHONPATH``.
+repo on ``PYTHONPATH`` and the variables of :func:`same_digits_env` (unless already set).
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ import dataclasses
 import datetime
 import math
 import os
+import platform
 import re
 import shlex
 import subprocess
@@ -154,11 +155,25 @@ def _scratch_dir(root: Path) -> str:
     return d
 
 
+def same_digits_env() -> dict:
+    """The environment the shown outputs are produced and checked in: one thread, and on x86
+    torch's CPU kernels (ATen's vector loops, oneDNN, MKL) at the AVX2 width, so that an AVX-512
+    machine sums in the order an AVX2 one does. A Mesa run's stochastic rounding turns any
+    last-bit difference into a different run within an epoch; in this environment the docs'
+    Mesa training runs print the same digits on both kinds of machine (the thread count no
+    longer matters: tests/test_determinism.py)."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    return env
+
+
 def run(block: Block, root: Path = ROOT) -> str:
     """Runs the block's code and returns the output to show (after grep / tail). Raises on failure."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    for k, v in same_digits_env().items():
+        env.setdefault(k, v)
     for kv in shlex.split(block.opts.get("env", "")):
         k, _, v = kv.partition("=")
         env[k] = v

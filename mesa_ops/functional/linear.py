@@ -72,8 +72,17 @@ def _colsum(g2):
 
 
 def _gw(g2, x, cdt):
-    """g2^T x for g2 (tokens, out) and x (..., in): (out, in)."""
-    return g2.t().mm(as_dtype(x.reshape(-1, x.shape[-1]), cdt))
+    """g2^T x for g2 (tokens, out) and x (..., in): (out, in). On the CPU for few outputs (a
+    classifier head) as (x^T g2)^T: the BLAS splits the token sum of a thin g2^T x across threads, so its
+    last bits changed with the thread count (and stochastic rounding amplified them); the other
+    orientation and wide outputs were the same for 1 and 2 threads (tests/test_determinism.py)."""
+    x2 = as_dtype(x.reshape(-1, x.shape[-1]), cdt)
+    if g2.shape[1] < _THIN_OUT and g2.device.type == "cpu":
+        return x2.t().mm(g2).t().contiguous()
+    return g2.t().mm(x2)
+
+
+_THIN_OUT = 64  # output features below which _gw takes the (x^T g)^T orientation
 
 
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:

@@ -64,9 +64,19 @@ class _LayerNorm(torch.autograd.Function):
         cdt = ctx.cdt
         g = as_dtype(gy, cdt)
         zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
+        xc = as_dtype(xh, cdt)
+        mask = [need[0], w is not None and need[2], b is not None and need[3]]
+        # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
+        # order that does not depend on the thread count (aten's CPU kernel sums per-thread
+        # partials: another thread count changed their last bits, which stochastic rounding then
+        # amplified: tests/test_determinism.py); elsewhere aten's kernel gives all three
+        own = g.device.type == "cpu" and g.dtype in _WIDE and (mask[1] or mask[2])
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, as_dtype(xh, cdt), ctx.normalized_shape, zero, one,
-            w, b, [need[0], w is not None and need[2], b is not None and need[3]])
+            g, xc, ctx.normalized_shape, zero, one, w, b, [mask[0], False, False] if own else mask)
+        if own:
+            dims = tuple(range(g.dim() - len(ctx.normalized_shape)))
+            gw = (g * xc).sum(dims) if mask[1] else None
+            gb = g.sum(dims) if mask[2] else None
         release(xh)
         gx = as_dtype(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
         return (gx, None, as_dtype(gw, ctx.p_dtypes[0]), as_dtype(gb, ctx.p_dtypes[1]), None, None, None,
