@@ -16,10 +16,10 @@ from .packed import QTensor
 from .quant import QuantMixin, Quantizer
 from .ops import get_rng_state, set_rng_state
 from .nonfinite import check_nonfinite
-from .quant import set_dist_sync
+from .quant import set_dist_sync, set_prefix_tokens
 
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
            "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit"]
-__all__ += ["get_rng_state", "set_rng_state", "set_dist_sync", "check_nonfinite"]
+__all__ += ["get_rng_state", "set_rng_state", "set_dist_sync", "set_prefix_tokens", "check_nonfinite"]
 __version__ = "0.1.0"

@@ -8,7 +8,8 @@ module the saved tensors (shape, dtype), their bytes and whether they are compre
 uncompressed remainder summed at the bottom. It also returns an :class:`AuditReport`.
 
 "Compressed" means packed by Mesa's Quantizer (Pan et al., arXiv 2111.11124): the uint8 codes a
-Mesa layer saves plus the per-group fp32 step/offset saved right after them. Everything else -
+Mesa layer saves plus the per-group fp32 step/offset saved right after them, and the exact
+prefix-token rows (class / distillation tokens, ``prefix_tokens``) a packed copy keeps. Everything else -
 e.g. LayerNorm's fp32 mean/rstd, a dropout mask, the input of a layer Mesa has no counterpart
 for - is "exact". Bytes are storage bytes (a saved view counts its whole storage, once).
 """
@@ -163,6 +164,8 @@ class _AuditMeter(SavedActivationMeter):
                     elif self._meta_left.get(id(mesa), 0) > 0 and t.dim() == 1:
                         packed = True
                         self._meta_left[id(mesa)] -= 1
+                    elif getattr(t, "_mesa_head", False):  # exact prefix-token rows of a packed copy
+                        packed = True
                     else:
                         self._meta_left[id(mesa)] = 0
                 name = self._names.get(id(inner), "(outside the model)") if inner is not None \

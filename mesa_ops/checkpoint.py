@@ -51,12 +51,16 @@ def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
     old = site.__dict__.get(_SITE_QUANTIZER) if keep else None
     # (the all-reduce of its batch range follows the block's ms.set_dist_sync setting)
     sync = site.__dict__.get(DIST_SYNC_KEY, True) if keep else True
+    # (the prefix tokens of the block's input, kept exactly, as its Mesa layers keep theirs)
+    prefix = _site_prefix(site) if keep else 0
     if old is not None and old.bits == bits and old.quant_groups == g and old.clip_val.device == x.device:
         old.dist_sync = sync
+        old.prefix_tokens = prefix
         return old
     q = Quantizer(g, tag="checkpoint", enable=True, bits=bits).to(x.device)
     q.range_mode = "batch"
     q.dist_sync = sync
+    q.prefix_tokens = prefix
     q.layer_name = _site_name(site) if keep else None
     if old is not None:  # other bits / groups / device: the stream goes on where it was
         q.iteration.copy_(old.iteration)
@@ -66,6 +70,14 @@ def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
 
 
 _SITE_QUANTIZER = "_mesa_input_quantizer"
+
+
+def _site_prefix(block: nn.Module) -> int:
+    """The ``prefix_tokens`` of the block's first Mesa layer that has any (0 if none does)."""
+    for m in block.modules():
+        if isinstance(m, QuantMixin) and m.prefix_tokens:
+            return m.prefix_tokens
+    return 0
 
 
 def _site_name(block: nn.Module) -> str | None:
@@ -89,14 +101,16 @@ class _Run:
 
     def __init__(self, block, x, qt: QTensor, kwargs):
         self.block, self.x, self.meta, self.kwargs = block, x, qt.meta(), kwargs
+        self.n = len(qt.tensors())  # (3, or 4 with the exact prefix rows)
         self.requires_grad = x.requires_grad
 
-    def __call__(self, packed, step, shift, *rest):
+    def __call__(self, *args):
+        stored, rest = args[:self.n], args[self.n:]
         x = self.x
         if x is not None:
             self.x = None
         else:
-            x = QTensor.restore((packed, step, shift), self.meta)
+            x = QTensor.restore(stored, self.meta)
             x._mesa_ws = None  # the recomputed graph holds it: never handed back to the workspace
             x.requires_grad_(self.requires_grad)
         return self.block(x, *rest, **self.kwargs)

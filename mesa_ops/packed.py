@@ -31,7 +31,11 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class QTensor(NamedTuple):
-    """A packed activation: ``packed`` uint8 codes, per-group ``step`` and ``shift`` (fp32)."""
+    """A packed activation: ``packed`` uint8 codes, per-group ``step`` and ``shift`` (fp32);
+    ``head``: None, or the first P rows along dim -2 (the prefix tokens: class / distillation
+    tokens of (B, N, C) token tensors, (B, H, N, D) head tensors) kept exactly, in ``dtype``,
+    shaped ``x.narrow(-2, 0, P)``; restored over the dequantized rows (issue 22.8: one range
+    per channel group over all tokens left the class token ~23% error)."""
     packed: torch.Tensor
     step: torch.Tensor
     shift: torch.Tensor
@@ -42,35 +46,56 @@ class QTensor(NamedTuple):
     inner: int
     transposed: int  # memory order stored: 0 as x; 1 (True) x.transpose(-2, -1) (a transposed
     # input); CHANNELS_LAST: x.permute(0, 2, 3, 1) (a channels-last 4-D input)
+    head: torch.Tensor | None = None
 
     def tensors(self):
-        return (self.packed, self.step, self.shift)
+        """(packed, step, shift), and ``head`` when there is one (what is saved for backward)."""
+        if self.head is None:
+            return (self.packed, self.step, self.shift)
+        return (self.packed, self.step, self.shift, self.head)
+
+    @staticmethod
+    def of(tensors, shape, dtype, bits, groups, inner, transposed) -> "QTensor":
+        """The QTensor of :meth:`tensors` (3 or 4) and :meth:`meta`."""
+        return QTensor(tensors[0], tensors[1], tensors[2], shape, dtype, bits, groups, inner,
+                       transposed, tensors[3] if len(tensors) > 3 else None)
 
     def meta(self):
         return (self.shape, self.dtype, self.bits, self.groups, self.inner, self.transposed)
 
     @staticmethod
     def restore(tensors, meta) -> torch.Tensor:
-        packed, step, shift = tensors
+        packed, step, shift = tensors[0], tensors[1], tensors[2]
+        head = tensors[3] if len(tensors) > 3 else None
         shape, dtype, bits, groups, inner, transposed = meta
         if compiling():
-            return _shaped(ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(),
-                                          dtype), shape, transposed)
+            return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
+                                                    shape.numel(), dtype), shape, transposed), head)
         be = kernel_for(get_backend(packed), packed, dtype, bits)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
         if not torch.is_grad_enabled() and be.has_dequantize_out and _graph_task_id() != -1:
             flat, buf = _workspace().acquire(shape.numel(), dtype, packed.device)
             be.dequantize_out(packed, step, shift, bits, groups, inner, flat)
             if not transposed:
-                out = flat.view(shape)
+                out = with_head(flat.view(shape), head)
                 out._mesa_ws = buf
                 return out
         else:
             flat = ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(), dtype)
-        return _shaped(flat, shape, transposed)
+        return with_head(_shaped(flat, shape, transposed), head)
 
     def dequantize(self) -> torch.Tensor:
         return QTensor.restore(self.tensors(), self.meta())
+
+
+def with_head(out: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
+    """``out`` with its first rows along dim -2 overwritten by the exact ``head`` (in place)."""
+    if head is None:
+        return out
+    if compiling():  # (functional: an in-place copy into a slice made AOT save a full-size buffer)
+        return torch.slice_scatter(out, head.to(out.dtype), -2, 0, head.shape[-2])
+    out.narrow(-2, 0, head.shape[-2]).copy_(head)
+    return out
 
 
 def _over_q(cls):
@@ -90,6 +115,7 @@ class AffineQTensor(NamedTuple):
     bias: torch.Tensor | None
 
     def tensors(self):
+        """The QTensor's (3 or 4), then weight and bias."""
         return self.q.tensors() + (self.weight, self.bias)
 
     def meta(self):
@@ -97,8 +123,8 @@ class AffineQTensor(NamedTuple):
 
     @staticmethod
     def restore(tensors, meta) -> torch.Tensor:
-        out = QTensor.restore(tensors[:3], meta)
-        w, b = tensors[3], tensors[4]
+        out = QTensor.restore(tensors[:-2], meta)
+        w, b = tensors[-2], tensors[-1]
         if w is not None:
             out = out.mul_(w)
         if b is not None:
@@ -134,11 +160,14 @@ class MappedQTensor(NamedTuple):
 
     @staticmethod
     def restore(tensors, meta) -> torch.Tensor:
-        packed, step, shift = tensors
+        step, shift = tensors[1], tensors[2]
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
         table = TABLE_FNS[name](levels(step, shift, bits, dtype), *args)
-        return apply_table(tensors, meta[:6], table)
+        out = apply_table(tensors[:3], meta[:6], table)
+        if len(tensors) > 3:  # the exact prefix rows, through f itself
+            out = with_head(out, TABLE_FNS[name](tensors[3], *args).to(out.dtype))
+        return out
 
     def dequantize(self) -> torch.Tensor:
         return MappedQTensor.restore(self.tensors(), self.meta())
@@ -157,8 +186,9 @@ def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtyp
 def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
     """``table[group][code]`` of a packed tensor (``tensors``/``meta`` of a QTensor), times
     ``mul`` when given, shaped as the stored tensor: (G, 2^bits) ``table`` of the result dtype.
-    Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it)."""
-    packed, step, shift = tensors
+    Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it).
+    The codes only: a ``head`` (exact prefix rows, a 4th tensor) is the caller's to apply."""
+    packed, step, shift = tensors[0], tensors[1], tensors[2]
     shape, dtype, bits, groups, inner, transposed = meta
     if transposed:
         raise ValueError("mesa apply_table: a transposed packed copy has no table path")
@@ -472,10 +502,11 @@ def saved_tensors(ctx, split_affine: bool = False) -> list:
             out.append(flat[i])
         elif share is not None and j == share[0] and (
                 kind is QTensor or (split_affine and kind is AffineQTensor)):
-            x = _shared_restore(ctx, share, flat[i:i + 3], meta)  # read-only: never modified
-            out.append(x if kind is QTensor else (x, flat[i + 3], flat[i + 4]))
+            q = n if kind is QTensor else n - 2  # (an AffineQTensor: the QTensor's, weight, bias)
+            x = _shared_restore(ctx, share, flat[i:i + q], meta)  # read-only: never modified
+            out.append(x if kind is QTensor else (x, flat[i + q], flat[i + q + 1]))
         elif split_affine and kind is AffineQTensor:
-            out.append((QTensor.restore(flat[i:i + 3], meta), flat[i + 3], flat[i + 4]))
+            out.append((QTensor.restore(flat[i:i + n - 2], meta), flat[i + n - 2], flat[i + n - 1]))
         else:
             out.append(kind.restore(flat[i:i + n], meta))
     return out
@@ -512,7 +543,7 @@ def saved_packed(ctx) -> list:
         elif kind is torch.Tensor:
             out.append(flat[i])
         elif kind is QTensor:
-            out.append(QTensor(*flat[i:i + n], *meta))
+            out.append(QTensor.of(flat[i:i + n], *meta))
         else:
             raise ValueError(f"mesa saved_packed: a {kind.__name__} has no packed form here")
     return out

@@ -75,6 +75,9 @@ def parse_groups(quant_groups) -> int:
 class QuantMixin:
     """Quantizer state and the one quantization path every Mesa layer stores activations through.
 
+    ``prefix_tokens`` (default 0; the models set it, :func:`set_prefix_tokens`): the first rows
+    along dim -2 of each stored tensor of rank >= 3 are kept exactly besides the packed copy.
+
     Attributes set by policy files and read by users (the original's names): ``enable``,
     ``level`` (2**bits), ``bits``, ``ema_decay``, ``quant_groups``, ``tag``, ``index``; plus
     ``stochastic`` (False: round to nearest), ``range_mode`` ('ema' or 'batch': exact per-batch
@@ -111,6 +114,7 @@ class QuantMixin:
         self.range_mode = "union"
         self.nonfinite = "auto"
         self.dist_sync = True
+        self.prefix_tokens = 0
         self.layer_name = None
         self._instance = next(_INSTANCES)
         self.verbose = _log.info
@@ -279,8 +283,27 @@ class QuantMixin:
         computed first, with the same operations)."""
         if torch.is_grad_enabled():
             with torch.no_grad():
-                return self._quantize(x, amp16, norm)
-        return self._quantize(x, amp16, norm)
+                return self._with_prefix(self._quantize(x, amp16, norm), x, norm)
+        return self._with_prefix(self._quantize(x, amp16, norm), x, norm)
+
+    def _with_prefix(self, q: QTensor, x: torch.Tensor, norm) -> QTensor:
+        """``q`` with the first ``prefix_tokens`` rows along dim -2 of what it stores (x, or
+        x-hat with ``norm``) kept exactly as its ``head`` (:class:`~mesa_ops.packed.QTensor`),
+        for tensors of rank >= 3 with more rows than that: the class / distillation tokens of
+        (B, N, C) tokens and (B, H, N, D) heads, whose values a range shared with all tokens
+        stores badly (issue 22.8)."""
+        p = self.prefix_tokens
+        if not p or x.dim() < 3 or x.shape[-2] <= p:
+            return q
+        head = x.narrow(-2, 0, p)
+        if norm is not None:
+            head = _normalized(head, tuple(s.narrow(-2, 0, p) if s.dim() >= 2 and s.shape[-2] == x.shape[-2]
+                                           else s for s in norm))
+        out = torch.empty(head.shape, dtype=q.dtype, device=head.device)  # (rows of its own)
+        out.copy_(head)
+        if not compiling():
+            out._mesa_head = True  # (the audit counts it with the packed copy it belongs to)
+        return q._replace(head=out)
 
     def _layout(self, x: torch.Tensor, copy: bool):
         """(tensor to quantize, its layout code, G, inner): ``x`` itself or the memory-order view
@@ -494,6 +517,13 @@ def _pos_int(v):
     return parse_groups(n)
 
 
+def _nonneg_int(v):
+    n = _int(v)
+    if n < 0:
+        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    return n
+
+
 def _nonfinite(v):
     s = str(v).strip().strip("'\"")
     if s not in NONFINITE_MODES:
@@ -504,7 +534,7 @@ def _nonfinite(v):
 KEYS = {"enable": _bool, "level": _level, "bits": _bits, "ema_decay": _decay,
         "quant_groups": _pos_int, "group_size": _pos_int, "stochastic": _bool,
         "range_mode": _range_mode, "check_finite": _bool, "nonfinite": _nonfinite,
-        "dist_sync": _bool}
+        "dist_sync": _bool, "prefix_tokens": _nonneg_int}
 # keys of the original code (and of its demo projects' policies) with no effect here: the forward
 # is always the exact op (``fp_forward``), ranges are always running min/max estimates
 IGNORED_KEYS = ("stable", "correlate", "non_negative_only", "half_range", "global_buffer",
@@ -556,6 +586,8 @@ def _apply(target, layer, parameters) -> None:
         if key == "quant_groups":
             if value != target.quant_groups:
                 _set_groups(target, value)
+        elif key == "prefix_tokens":  # (MatMul: its first operand only, see set_prefix_tokens)
+            set_prefix_tokens(target, value)
         else:
             setattr(target, key, value)
         name = getattr(target, "tag", layer.tag)
@@ -612,3 +644,22 @@ def set_dist_sync(model: torch.nn.Module, enabled: bool) -> int:
             m.dist_sync = bool(enabled)
             n += 1
     return n
+
+
+def set_prefix_tokens(module: torch.nn.Module, n: int) -> int:
+    """Keep the first ``n`` token rows (the class token, 1; with a distillation token, 2) of
+    every tensor the Mesa layers of ``module`` store exactly (``prefix_tokens``, see
+    :meth:`QuantMixin._with_prefix`). Tokens are dim -2 of what is stored: (B, N, C) tokens,
+    SDPA's q / k / v / output in (B, N, H * D) layout, explicit attention's (B, H, N, D) q and
+    (B, H, N, M) softmax output; a MatMul's second operand (k^T in q @ k^T) is left as it is.
+    Apply it to the modules that see prefix tokens (a ViT's blocks and final norm, PVT's last
+    stage). Returns the number of quantizers set."""
+    n = _nonneg_int(n)
+    skip = {id(m.quant2) for m in module.modules()
+            if hasattr(m, "quant2") and type(m).__name__ == "MatMul"}
+    count = 0
+    for m in module.modules():
+        if isinstance(m, QuantMixin) and id(m) not in skip:
+            m.prefix_tokens = n
+            count += 1
+    return count

@@ -111,6 +111,10 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         self.norm = build_layer(norm_layer, embed_dim, quant_groups=qg(embed_dim, num_heads, "norm"))
         self.head = self._make_head(num_classes)
         self.head_dist = self._make_head(num_classes) if distilled else None
+        # the class (and distillation) token rows of every stored token tensor are kept exactly
+        # (one range per channel group over all tokens stores them badly: issue 22.8)
+        ms.set_prefix_tokens(self.blocks, self.num_prefix_tokens)
+        ms.set_prefix_tokens(self.norm, self.num_prefix_tokens)
 
         trunc_normal_(self.pos_embed, std=.02)
         trunc_normal_(self.cls_token, std=.02)

@@ -166,6 +166,9 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
                                 quant_groups=qg(self.num_features, self.last_heads, "norm"))
         self.cls_token = nn.Parameter(torch.zeros(1, 1, self.num_features))
         self.head = self._make_head(num_classes)
+        # the class token joins at the last stage: its rows there are kept exactly (issue 22.8)
+        ms.set_prefix_tokens(getattr(self, f"block{num_stages}"), 1)
+        ms.set_prefix_tokens(self.norm, 1)
         self.feature_info = [dict(num_chs=embed_dims[i], reduction=to_2tuple(patch_size)[0] * 2 ** i,
                                   module=f"block{i + 1}") for i in range(num_stages)]
         init_grad_checkpointing([self], grad_checkpointing, grad_checkpointing_bits)
@@ -319,6 +322,7 @@ class PyramidVisionTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
             self.num_stages = max_index + 1
             self.feature_info = self.feature_info[:max_index + 1]
             self.cls_token = None
+            ms.set_prefix_tokens(getattr(self, f"block{max_index + 1}"), 0)
             self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
         if prune_norm or prune_end:
             self.norm = nn.Identity()

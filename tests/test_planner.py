@@ -1,4 +1,4 @@
-"""mesa_ops.planner and tools/plan_memory.py on a tiny timm ViT (32 px, 3 blocks)."""
+"""mesa_ops.planner and tools/plan_memory.py on a tiny timm ViT (32 px, 8 px patches: 16 + 1 tokens, 3 blocks)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,8 @@ from mesa_ops import planner as P
 
 def _model():
     torch.manual_seed(0)
-    return ms.compress(timm.create_model("vit_tiny_patch16_224", img_size=32, depth=3, drop_path_rate=0.0),
+    return ms.compress(timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=3,
+                                         drop_path_rate=0.0),
                        "off", warn=False)
 
 

@@ -42,6 +42,10 @@ class _GELU(torch.autograd.Function):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
             deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
             gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
+            if xq.head is not None:  # the exact prefix rows (QTensor.head)
+                p = xq.head.shape[-2]
+                gx.narrow(-2, 0, p).copy_(torch.ops.aten.gelu_backward(
+                    g.narrow(-2, 0, p), xq.head.to(g.dtype), approximate=ctx.approximate))
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
         return as_dtype(gx, ctx.x_dtype), None, None, None, None
@@ -58,7 +62,7 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
             y, *packed = _GELU.apply(x, approximate, quant, *plan)
     if packed:
         g, inner = quant.groups_for(y.shape)
-        qx = QTensor(*packed, y.shape, cdt, quant.bits, g, inner, False)
+        qx = QTensor.of(packed, y.shape, cdt, quant.bits, g, inner, False)
         attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
     return y
 
@@ -96,7 +100,7 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
         y, *packed = _Softmax.apply(x, dim, quant, cdt, amp16)
     if packed:
         g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
-        attach_saved(y, QTensor(*packed, y.shape, y.dtype, quant.bits, g, inner, False),
+        attach_saved(y, QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False),
                      quant.stochastic)
     return y
 

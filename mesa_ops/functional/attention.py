@@ -321,7 +321,7 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         y, *packed = y
         if packed:
             g, inner = mod.quant_o.groups_for(y.shape)
-            qo = QTensor(*packed, y.shape, cdt, mod.quant_o.bits, g, inner, False)
+            qo = QTensor.of(packed, y.shape, cdt, mod.quant_o.bits, g, inner, False)
             attach_saved(y, qo, mod.quant_o.stochastic)
         return y
     node = y.grad_fn

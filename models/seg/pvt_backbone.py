@@ -23,6 +23,8 @@ mmdet's / timm's PVT v2 gets Mesa through ``dict(type='MesaCompressed', backbone
 from __future__ import annotations
 
 import torch.nn as nn
+
+import mesa_ops as ms
 from mmengine.logging import print_log
 from mmseg.registry import MODELS
 
@@ -121,6 +123,7 @@ class MesaPVT(MesaBackbone):
             attn_impl=attn_impl)
         body.norm = nn.Identity()  # unused here (the segmentation code drops it too)
         del body.cls_token
+        ms.set_prefix_tokens(getattr(body, f"block{num_stages}"), 0)  # (no class token here)
         skip = ["head.*", "norm.*", "cls_token"]
         if not use_abs_pos_embed:
             for i in range(num_stages):
