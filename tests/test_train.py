@@ -465,3 +465,20 @@ def test_policy_enabling_no_layer_warns_loudly(tmp_path, capsys):
     a = training.resolve_args(parse_args(TINY + FAKE + ["--ms-policy", str(ROOT / "configs/mesa/mesa_8bit.txt")]))
     training.build_model(a, 10)
     assert "WARNING" not in capsys.readouterr().err
+
+
+def test_tqdm_bar_only_on_a_terminal(capsys, monkeypatch):
+    """--tqdm draws a bar on a terminal; written to a file or pipe (not a tty) a bar would be
+    one ever-growing line, so progress lines come instead."""
+    from training.logs import MetricLogger
+
+    ml = MetricLogger()
+    for _ in ml.log_every(range(5), 2, "Epoch: [0]", use_tqdm=True):
+        ml.update(loss=1.0)
+    out = capsys.readouterr().out
+    assert "\r" not in out and out.count("Epoch: [0]  [") == 3  # steps 0, 2, 4
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    for _ in ml.log_every(range(5), 2, "Epoch: [1]", use_tqdm=True):
+        ml.update(loss=1.0)
+    out = capsys.readouterr().out
+    assert "Epoch: [1]  [" not in out and "5/5" in out  # the bar, no progress lines

@@ -110,7 +110,8 @@ class MetricLogger:
         iter_time = SmoothedValue(fmt="{avg:.4f}")
         data_time = SmoothedValue(fmt="{avg:.4f}")
         bar = None
-        if use_tqdm and is_main_process():
+        # a bar written to a file or pipe is one ever-growing line: progress lines there instead
+        if use_tqdm and is_main_process() and sys.stdout.isatty():
             from tqdm import tqdm
             bar = tqdm(total=n, desc=header.strip(), file=sys.stdout, dynamic_ncols=False, ncols=100,
                        leave=True, mininterval=0.5)
