@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .functional.attention import head_layout, sdpa_fn, token_layout
-from .quant import Quantizer
+from .quant import Quantizer, update_quantization_parameter
 
 __all__ = ["SDPA", "QUANTIZERS"]
 QUANTIZERS = ("quant_q", "quant_k", "quant_v", "quant_o")
@@ -70,7 +70,6 @@ class SDPA(nn.Module):
         self.consistent_backward = True
 
     def update_quantization_parameter(self, **parameters):
-        from .policy import update_quantization_parameter
         return update_quantization_parameter(self, **parameters)
 
     def describe(self) -> str:

@@ -281,11 +281,20 @@ def _fmt(keys, limit=40) -> str:
     return "\n  " + "\n  ".join(keys[:limit]) + more
 
 
-def _model_name(model: nn.Module) -> str:
-    from .registry import registry_name
+# the prefix of this repo's models in timm's registry (models.registry registers them under it)
+TIMM_PREFIX = "mesa_"
 
+
+def architecture(model: nn.Module) -> str:
+    """The model's name in this repo's registry, from its timm ``pretrained_cfg`` (``mesa_`` +
+    name), or '' for a model without one."""
     cfg = getattr(model, "pretrained_cfg", None) or {}
-    return registry_name(str(cfg.get("architecture", ""))) or type(model).__name__
+    arch = str(cfg.get("architecture", "") or "")
+    return arch[len(TIMM_PREFIX):] if arch.startswith(TIMM_PREFIX) else arch
+
+
+def _model_name(model: nn.Module) -> str:
+    return architecture(model) or type(model).__name__
 
 
 def _other_model(model, own, sd, meta, qkeys, mismatched, missing, unexpected) -> str:
@@ -453,13 +462,10 @@ def save_checkpoint(model: nn.Module, path, extra: dict | None = None) -> None:
     """Write ``{'model': state_dict (with quantizer state), 'meta': {...}, **extra, 'checksum'}``,
     readable with ``torch.load(weights_only=True)``. ``meta`` records the architecture name and, per Mesa
     layer, whether it was enabled and at how many bits."""
-    from .registry import registry_name
-
-    cfg = getattr(model, "pretrained_cfg", None) or {}
     mesa = {name: {"enable": bool(m.enable), "bits": int(m.bits)}
             for name, m in model.named_modules() if isinstance(m, MESA_LAYERS)}
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION,
-            "architecture": registry_name(str(cfg.get("architecture", ""))),
+            "architecture": architecture(model),
             "class": type(model).__name__, "mesa": mesa}
     obj = {"model": model.state_dict(), "meta": meta}
     if extra:

@@ -30,11 +30,12 @@ import torch.nn as nn
 
 import mesa_ops as ms
 
+from .checkpoint import TIMM_PREFIX, CheckpointError, pretrained_filter_fn
+
 __all__ = ["register_model", "create_model", "list_models", "is_model", "apply_policy",
            "model_entry", "registry_name", "TIMM_PREFIX", "MESA_TAGS"]
 
 _log = logging.getLogger("models")
-TIMM_PREFIX = "mesa_"
 MESA_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax", "attention")
 _SHORTHANDS = {"mesa8": 8, "mesa4": 4, "mesa2": 2}
 
@@ -132,8 +133,6 @@ def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: 
     """
     from timm.models import build_model_with_cfg
 
-    from .checkpoint import pretrained_filter_fn
-
     entry = model_entry(name)
     ckpt = dict(checkpoint_kwargs or {})
     unknown = sorted(set(ckpt) - {"skip", "verbose"})
@@ -166,8 +165,6 @@ def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: 
 
 def _source_overlay(source) -> dict:
     """The pretrained-cfg fields that make timm's loader read ``source`` (a path or URL)."""
-    from .checkpoint import CheckpointError
-
     src = os.fspath(source)
     if src.startswith(("http://", "https://", "file://")):
         return {"url": src, "file": None, "hf_hub_id": None}
