@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from . import layers as L
 from .attention import QUANTIZERS, SDPA, head_layout
 from .quant import QuantMixin
-from .policy import (PolicyError, convert_by_num_groups, deploy_on_init,
+from .policy import (PolicyError, convert_by_num_groups, deploy_on_init, mark_prefix_tokens,
                      mesa_layers, set_mesa)
 
 __all__ = ["compress", "CompressReport", "NAMED_POLICIES", "COMPRESSED_ATTENTION", "attention_core"]
@@ -383,7 +383,7 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         if _is_timm_attention(m) and not isinstance(m, MesaAttentionMixin):
             _compress_attention(m)
     _convert_layers(model, quant_groups)
-    _mark_prefix_tokens(model)
+    mark_prefix_tokens(model)
     name = _apply_policy(model, policy)
     report = CompressReport(policy=name)
     for _, m in mesa_layers(model):
@@ -401,17 +401,6 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
     if warn and report.unsupported:
         warnings.warn(report.summary(), stacklevel=2)
     return (model, report) if return_report else model
-
-
-def _mark_prefix_tokens(model: nn.Module) -> None:
-    """A timm ViT's class / distillation / register tokens (``num_prefix_tokens``) lead the
-    tokens of its ``blocks`` and ``norm``: their rows are stored exactly (issue 22.8)."""
-    p = getattr(model, "num_prefix_tokens", 0)
-    if isinstance(p, int) and p > 0:
-        from .quant import set_prefix_tokens
-        for part in ("blocks", "norm"):
-            if isinstance(getattr(model, part, None), nn.Module):
-                set_prefix_tokens(getattr(model, part), p)
 
 
 def build_model(name: str, policy="mesa8", img_size: int | None = None, **kwargs) -> nn.Module:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from . import layers as L
-from .quant import (IGNORED_KEYS, KEYS, PolicyError, QuantMixin, parse_groups,
+from .quant import (IGNORED_KEYS, KEYS, PolicyError, QuantMixin, parse_groups, set_prefix_tokens,
                     update_quantization_parameter)
 
 _log = logging.getLogger("mesa_ops")
@@ -473,7 +473,24 @@ def _convert_root(module: nn.Module, spec) -> nn.Module:
     new = _convert_child(module, spec, name=type(module).__name__)
     if new is not None:  # the model itself is one nn layer: return its Mesa layer
         return new
-    return _convert(module, spec)
+    out = _convert(module, spec)
+    mark_prefix_tokens(out)
+    return out
+
+
+def mark_prefix_tokens(model: nn.Module) -> int:
+    """A ViT's class / distillation / register tokens lead the tokens of its ``blocks`` and
+    ``norm``: keep their rows exactly (:func:`mesa_ops.quant.set_prefix_tokens`). The count is
+    ``model.num_prefix_tokens`` (timm), else one per ``cls_token`` / ``dist_token`` parameter
+    (the DeiT code the original Mesa ran). Returns it (0: nothing marked)."""
+    p = getattr(model, "num_prefix_tokens", None)
+    if not isinstance(p, int):
+        p = sum(isinstance(getattr(model, n, None), nn.Parameter) for n in ("cls_token", "dist_token"))
+    if p > 0:
+        for part in ("blocks", "norm"):
+            if isinstance(getattr(model, part, None), nn.Module):
+                set_prefix_tokens(getattr(model, part), p)
+    return p
 
 
 def convert_by_num_groups(module: nn.Module, num_groups: int) -> nn.Module:

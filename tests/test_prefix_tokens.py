@@ -169,3 +169,21 @@ def _deit_grad_error(prefix: bool, steps=3):
 def test_deit_gradient_error_falls_with_exact_prefix_tokens():
     before, after = _deit_grad_error(False), _deit_grad_error(True)
     assert after < 0.5 * before, (before, after)
+
+
+def test_original_api_conversion_marks_the_class_and_distillation_tokens():
+    """ms.policy.convert_by_num_groups on a model of plain nn layers (timm's distilled DeiT: two
+    prefix tokens; a model with only cls_token / dist_token parameters counts them)."""
+    m = timm.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, depth=1)
+    ms.policy.convert_by_num_groups(m, 3)
+    assert m.blocks[0].attn.qkv.prefix_tokens == 2 and m.norm.prefix_tokens == 2
+    assert m.head.prefix_tokens == 0
+
+    class Plain(torch.nn.Module):  # the DeiT code of the original Mesa: no num_prefix_tokens
+        def __init__(self):
+            super().__init__()
+            self.cls_token = torch.nn.Parameter(torch.zeros(1, 1, 8))
+            self.blocks = torch.nn.Sequential(torch.nn.Linear(8, 8))
+            self.norm = torch.nn.LayerNorm(8)
+    p = ms.policy.convert_by_num_groups(Plain(), 1)
+    assert p.blocks[0].prefix_tokens == 1 and p.norm.prefix_tokens == 1
