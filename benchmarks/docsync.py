@@ -31,7 +31,8 @@ env        extra environment variables, ``"A=1 B=2"``
 
 A command runs in a scratch directory whose entries link to the repo's top level (so ``configs/``,
 ``tools/``, ``.venv/`` resolve and ``outputs/`` is written there, never into the checkout), with the
-repo on ``PYTHONPATH`` and the variables of :func:`same_digits_env` (unless already set).
+repo on ``PYTHONPATH``, ``OMP_NUM_THREADS=1`` and, for the cheap blocks (the ones the docs test
+compares), the variables of :func:`same_digits_env` (each unless already set; ``env`` overrides).
 """
 from __future__ import annotations
 
@@ -156,7 +157,7 @@ def _scratch_dir(root: Path) -> str:
 
 
 def same_digits_env() -> dict:
-    """The environment the shown outputs are produced and checked in: one thread, and on x86
+    """The environment the cheap shown outputs are produced and checked in: one thread, and on x86
     torch's CPU kernels (ATen's vector loops, oneDNN, MKL) at the AVX2 width, so that an AVX-512
     machine sums in the order an AVX2 one does. A Mesa run's stochastic rounding turns any
     last-bit difference into a different run within an epoch; in this environment the docs'
@@ -172,7 +173,8 @@ def run(block: Block, root: Path = ROOT) -> str:
     """Runs the block's code and returns the output to show (after grep / tail). Raises on failure."""
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k, v in same_digits_env().items():
+    base = same_digits_env() if block.cheap else {"OMP_NUM_THREADS": "1"}
+    for k, v in base.items():
         env.setdefault(k, v)
     for kv in shlex.split(block.opts.get("env", "")):
         k, _, v = kv.partition("=")
