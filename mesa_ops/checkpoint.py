@@ -52,7 +52,7 @@ def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
     # (the all-reduce of its batch range follows the block's ms.set_dist_sync setting)
     sync = site.__dict__.get(DIST_SYNC_KEY, True) if keep else True
     # (the prefix tokens of the block's input, kept exactly, as its Mesa layers keep theirs)
-    prefix = _site_prefix(site) if keep else 0
+    prefix = site_prefix(site) if keep else 0
     if old is not None and old.bits == bits and old.quant_groups == g and old.clip_val.device == x.device:
         old.dist_sync = sync
         old.prefix_tokens = prefix
@@ -72,7 +72,7 @@ def input_quantizer(x: torch.Tensor, bits: int, site=None) -> Quantizer:
 _SITE_QUANTIZER = "_mesa_input_quantizer"
 
 
-def _site_prefix(block: nn.Module) -> int:
+def site_prefix(block: nn.Module) -> int:
     """The ``prefix_tokens`` of the block's first Mesa layer that has any (0 if none does)."""
     for m in block.modules():
         if isinstance(m, QuantMixin) and m.prefix_tokens:

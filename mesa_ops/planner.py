@@ -60,6 +60,7 @@ from . import layers as L
 from .attention import QUANTIZERS, SDPA
 from .audit import audit, format_bytes
 from .bench import train_step_time
+from .checkpoint import site_prefix
 from .policy import TAGS, assign_indices, deploy_on_init, mesa_layers
 from .quant import Quantizer
 
@@ -90,6 +91,7 @@ class BlockInfo:
     name: str
     in_bytes: int = 0               # its inputs' bytes (kept by an exact checkpoint)
     in_err8: float = 0.0            # error proxy of keeping them at 8 bits
+    head_bytes: int = 0             # the prefix-token rows a packed checkpoint keeps exactly
     fwd_time: float = 0.0           # seconds: its forward at the probe batch
 
 
@@ -182,12 +184,21 @@ def _roundtrip(quantizer, x: torch.Tensor, bits: int) -> torch.Tensor:
     return q.quantize(x.detach()).dequantize()
 
 
-def _input_err8(x: torch.Tensor) -> float:
-    """Error proxy of a packed 8-bit checkpoint input (the quantizer checkpoint_block uses)."""
+def _input_err8(x: torch.Tensor, prefix: int = 0) -> float:
+    """Error proxy of a packed 8-bit checkpoint input (the quantizer checkpoint_block uses, with
+    the block's ``prefix`` token rows kept exactly)."""
     mod = importlib.import_module("mesa_ops.checkpoint") if _packed_ckpt() else None
     q = mod.input_quantizer(x, 8) if mod is not None and x.is_floating_point() else Quantizer(1)
     q.bits = 8
+    q.prefix_tokens = prefix
     return _rel(x, q.quantize(x).dequantize())
+
+
+def _head_bytes(x: torch.Tensor, prefix: int) -> int:
+    """Bytes of the ``prefix`` rows (dim -2) a packed copy of ``x`` keeps exactly (QTensor.head)."""
+    if not prefix or x.dim() < 3 or x.shape[-2] <= prefix:
+        return 0
+    return x.numel() // x.shape[-2] * prefix * x.element_size()
 
 
 def _ln_normed(x):
@@ -244,8 +255,11 @@ def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
         def bpre(mod, args, name=name):
             ts = [a.detach() for a in args if isinstance(a, torch.Tensor)]
             binfo[name].in_bytes = sum(a.untyped_storage().nbytes() for a in ts)
+            prefix = site_prefix(mod)
+            if ts:
+                binfo[name].head_bytes = _head_bytes(ts[0], prefix)
             if ts and not timing:
-                binfo[name].in_err8 = _input_err8(ts[0])
+                binfo[name].in_err8 = _input_err8(ts[0], prefix)
             t0[name] = time.perf_counter()
 
         def bpost(mod, args, out, name=name):
@@ -396,7 +410,8 @@ class _State:
 
 
 def _packed_bytes(blk: BlockInfo) -> int:
-    return blk.in_bytes // 4 + 1024  # 8-bit codes of an fp32 input + per-group step/shift
+    # 8-bit codes of an fp32 input + per-group step/shift + the prefix-token rows kept exactly
+    return blk.in_bytes // 4 + 1024 + blk.head_bytes
 
 
 def _greedy(prof: Profile, scale: float, budget: int, cap: int | None):

@@ -483,6 +483,8 @@ def mark_prefix_tokens(model: nn.Module) -> int:
     ``norm``: keep their rows exactly (:func:`mesa_ops.quant.set_prefix_tokens`). The count is
     ``model.num_prefix_tokens`` (timm), else one per ``cls_token`` / ``dist_token`` parameter
     (the DeiT code the original Mesa ran). Returns it (0: nothing marked)."""
+    if any(hasattr(model, a) for a in ("blocks_token_only", "cls_attn_blocks")):
+        return 0  # CaiT / XCiT: the class token joins after the blocks
     p = getattr(model, "num_prefix_tokens", None)
     if not isinstance(p, int):
         p = sum(isinstance(getattr(model, n, None), nn.Parameter) for n in ("cls_token", "dist_token"))

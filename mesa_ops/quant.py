@@ -88,6 +88,7 @@ class QuantMixin:
     """
 
     group_dim = "channel"
+    prefix_tokens = 0  # (class default: modules pickled whole before the setting existed)
     # Python-side settings (validated setters): TorchScript compiles a module's properties unless
     # listed here, and a scripted (eval-mode) Mesa layer is the plain layer, which reads none of them
     __jit_unused_properties__ = ["bits", "nonfinite", "check_finite", "level", "_draws"]

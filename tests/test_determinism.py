@@ -85,3 +85,15 @@ def test_mesa_digits_run_is_the_same_with_one_and_two_threads(tmp_path):
     assert any(k.endswith("clip_val") for k in s1)
     diff = [k for k in s1 if not torch.equal(s1[k], s2[k])]
     assert not diff, diff
+
+
+@pytest.mark.parametrize("shape,normalized", [((8,), 8), ((4, 8), (4, 8))])
+def test_layernorm_of_an_unbatched_input(shape, normalized):
+    """normalized_shape covering the whole input: no rows to sum over (aten's kernel)."""
+    ln = ms.LayerNorm(normalized, quant_groups=1, enable=True).train()
+    ref = torch.nn.LayerNorm(normalized)
+    x = torch.randn(shape)
+    for layer in (ln, ref):
+        layer(x.clone().requires_grad_()).pow(2).sum().backward()
+    assert ln.weight.grad.shape == ref.weight.grad.shape
+    torch.testing.assert_close(ln.bias.grad, ref.bias.grad, rtol=0.05, atol=0.05)

@@ -187,3 +187,27 @@ def test_original_api_conversion_marks_the_class_and_distillation_tokens():
             self.norm = torch.nn.LayerNorm(8)
     p = ms.policy.convert_by_num_groups(Plain(), 1)
     assert p.blocks[0].prefix_tokens == 1 and p.norm.prefix_tokens == 1
+
+
+def test_class_token_joining_after_the_blocks_is_not_marked():
+    """CaiT (and XCiT) add the class token after ``blocks``: nothing there is a prefix token."""
+    m = timm.create_model("cait_xxs24_224", img_size=32, patch_size=8, depth=1, depth_token_only=1)
+    ms.policy.convert_by_num_groups(m, 1)
+    assert all(q.prefix_tokens == 0 for q in m.modules() if isinstance(q, ms.QuantMixin))
+
+
+def test_planner_counts_the_exact_rows_of_a_packed_checkpoint():
+    """The planner's bytes of a block checkpointed at 8 bits include its input's head."""
+    from mesa_ops import planner
+    from mesa_ops.checkpoint import _checkpoint
+
+    m = models.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, depth=1,
+                            ms_policy="mesa8").train()
+    blk = m.blocks[0]
+    x = torch.randn(4, 18, 192, requires_grad=True)
+    _, kept = _checkpoint(blk, (x,), 8, {})
+    got = sum(t.numel() * t.element_size() for t in kept)
+    info = planner.BlockInfo("blocks.0", in_bytes=x.numel() * 4,
+                             head_bytes=planner._head_bytes(x, planner.site_prefix(blk)))
+    assert info.head_bytes == 4 * 2 * 192 * 4
+    assert got <= planner._packed_bytes(info) <= got + 1024

@@ -70,7 +70,8 @@ class _LayerNorm(torch.autograd.Function):
         # order that does not depend on the thread count (aten's CPU kernel sums per-thread
         # partials: another thread count changed their last bits, which stochastic rounding then
         # amplified: tests/test_determinism.py); elsewhere aten's kernel gives all three
-        own = g.device.type == "cpu" and g.dtype in _WIDE and (mask[1] or mask[2])
+        own = (g.device.type == "cpu" and g.dtype in _WIDE and (mask[1] or mask[2])
+               and g.dim() > len(ctx.normalized_shape))  # (an unbatched input: nothing to sum over)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             g, xc, ctx.normalized_shape, zero, one, w, b, [mask[0], False, False] if own else mask)
         if own:
