@@ -56,6 +56,12 @@ _INSTANCES = itertools.count()
 GROUP_DIMS = ("last", "channel")
 
 
+def prefix_rows(shape, prefix: int) -> int:
+    """How many leading rows along dim -2 a stored tensor of ``shape`` keeps exactly with
+    ``prefix_tokens`` = ``prefix``: all of them for rank >= 3 and more rows than that, else 0."""
+    return prefix if prefix and len(shape) >= 3 and shape[-2] > prefix else 0
+
+
 def channel_dim(ndim: int) -> int:
     """The dim that ``'channel'`` groups split: 1 for 4-D and larger tensors, else the last."""
     return 1 if ndim >= 4 else ndim - 1
@@ -293,8 +299,8 @@ class QuantMixin:
         for tensors of rank >= 3 with more rows than that: the class / distillation tokens of
         (B, N, C) tokens and (B, H, N, D) heads, whose values a range shared with all tokens
         stores badly (issue 22.8)."""
-        p = self.prefix_tokens
-        if not p or x.dim() < 3 or x.shape[-2] <= p:
+        p = prefix_rows(x.shape, self.prefix_tokens)
+        if not p:
             return q
         head = x.narrow(-2, 0, p)
         if norm is not None:

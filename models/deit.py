@@ -113,8 +113,7 @@ class VisionTransformer(GradCheckpointing, nn.Module):
         self.head_dist = self._make_head(num_classes) if distilled else None
         # the class (and distillation) token rows of every stored token tensor are kept exactly
         # (one range per channel group over all tokens stores them badly: issue 22.8)
-        ms.set_prefix_tokens(self.blocks, self.num_prefix_tokens)
-        ms.set_prefix_tokens(self.norm, self.num_prefix_tokens)
+        ms.policy.mark_prefix_tokens(self)
 
         trunc_normal_(self.pos_embed, std=.02)
         trunc_normal_(self.cls_token, std=.02)

@@ -198,8 +198,8 @@ def test_class_token_joining_after_the_blocks_is_not_marked():
 
 def test_planner_counts_the_exact_rows_of_a_packed_checkpoint():
     """The planner's bytes of a block checkpointed at 8 bits include its input's head."""
-    from mesa_ops import planner
-    from mesa_ops.checkpoint import _checkpoint
+    from mesa_ops import plan_measure, planner
+    from mesa_ops.checkpoint import _checkpoint, site_prefix
 
     m = models.create_model("deit_tiny_distilled_patch16_224", img_size=32, patch_size=8, depth=1,
                             ms_policy="mesa8").train()
@@ -208,6 +208,6 @@ def test_planner_counts_the_exact_rows_of_a_packed_checkpoint():
     _, kept = _checkpoint(blk, (x,), 8, {})
     got = sum(t.numel() * t.element_size() for t in kept)
     info = planner.BlockInfo("blocks.0", in_bytes=x.numel() * 4,
-                             head_bytes=planner._head_bytes(x, planner.site_prefix(blk)))
+                             head_bytes=plan_measure._head_bytes(x, site_prefix(blk)))
     assert info.head_bytes == 4 * 2 * 192 * 4
     assert got <= planner._packed_bytes(info) <= got + 1024

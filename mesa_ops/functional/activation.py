@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
-                     pack_mask, release, save_for_backward, saved_packed, saved_tensors)
+                     pack_mask, release, save_for_backward, saved_packed, saved_tensors, with_head)
 
 
 class _GELU(torch.autograd.Function):
@@ -43,9 +43,8 @@ class _GELU(torch.autograd.Function):
             deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
             gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                p = xq.head.shape[-2]
-                gx.narrow(-2, 0, p).copy_(torch.ops.aten.gelu_backward(
-                    g.narrow(-2, 0, p), xq.head.to(g.dtype), approximate=ctx.approximate))
+                gx = with_head(gx, torch.ops.aten.gelu_backward(
+                    g.narrow(-2, 0, xq.head.shape[-2]), xq.head.to(g.dtype), approximate=ctx.approximate))
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
         return as_dtype(gx, ctx.x_dtype), None, None, None, None

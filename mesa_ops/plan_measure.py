@@ -1,0 +1,271 @@
+"""Measuring a model for the memory-budget planner (:mod:`mesa_ops.planner`): its units (Mesa
+layers; an attention core is one) and checkpointable blocks, and per option the saved bytes, an
+error proxy and the time, as a :class:`Profile`. What is measured and what is estimated: the
+planner's module documentation."""
+from __future__ import annotations
+
+import copy
+import importlib
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from . import layers as L
+from .attention import QUANTIZERS, SDPA
+from .audit import audit
+from .bench import train_step_time
+from .checkpoint import site_prefix
+from .policy import mesa_layers
+from .quant import Quantizer, prefix_rows
+
+__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "measure", "BITS"]
+
+BITS = (0, 8, 4, 2)  # 0 = exact (off)
+_ATTN = (SDPA, L.MatMul, L.Softmax)
+
+
+class PlanError(ValueError):
+    """No configuration fits the budget (or a plan that cannot be applied)."""
+
+
+@dataclass
+class Unit:
+    name: str                       # the layer (or, for attention, its parent + '.attention')
+    layers: list                    # qualified names of its Mesa layers
+    block: str | None               # the checkpointable block holding it
+    elements: int = 0               # elements it stores (quantization work)
+    bytes: dict = field(default_factory=dict)   # bits -> bytes at the probe batch
+    err: dict = field(default_factory=dict)     # bits -> relative error proxy
+
+
+@dataclass
+class BlockInfo:
+    name: str
+    in_bytes: int = 0               # its inputs' bytes (kept by an exact checkpoint)
+    in_err8: float = 0.0            # error proxy of keeping them at 8 bits
+    head_bytes: int = 0             # the prefix-token rows a packed checkpoint keeps exactly
+    fwd_time: float = 0.0           # seconds: its forward at the probe batch
+
+
+@dataclass
+class Profile:
+    units: list
+    blocks: list
+    fixed_bytes: int                # bytes no option changes (stem, parameters-free ops, ...)
+    probe_batch: int
+    alpha: float                    # seconds per quantized element (probe)
+    step_time: float                # exact step seconds (probe)
+    packed_ckpt: bool               # mesa_ops.checkpoint.checkpoint_block available
+
+
+# ---- measuring -------------------------------------------------------------------------------
+def _packed_ckpt():
+    try:
+        return importlib.import_module("mesa_ops.checkpoint").checkpoint_block
+    except ModuleNotFoundError as exc:
+        if exc.name != "mesa_ops.checkpoint":
+            raise
+        return None
+
+
+def _blocks(model: nn.Module) -> dict[str, nn.Module]:
+    out = {}
+
+    def visit(prefix, module):
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if type(child).__name__.endswith("Block") or getattr(child, "_mesa_ckpt", False):
+                out[full] = child
+            else:
+                visit(full, child)
+    visit("", model)
+    return out
+
+
+def _units(model: nn.Module, blocks: dict) -> list[Unit]:
+    units: dict[str, Unit] = {}
+    for name, m in mesa_layers(model):
+        parent = name.rsplit(".", 1)[0] if "." in name else ""
+        key = f"{parent}.attention" if isinstance(m, _ATTN) else name
+        blk = next((b for b in blocks if name.startswith(b + ".")), None)
+        units.setdefault(key, Unit(key, [], blk)).layers.append(name)
+    return list(units.values())
+
+
+def _in_unit(module_name: str, u: Unit) -> bool:
+    """Whether bytes saved by ``module_name`` belong to unit ``u`` (an attention unit also owns
+    what its parent module saves itself: timm's exact SDPA call when Mesa is off)."""
+    if u.name.endswith(".attention") and module_name == u.name[:-len(".attention")]:
+        return True
+    return any(module_name == n or module_name.startswith(n + ".") for n in u.layers)
+
+
+def _set(model: nn.Module, layer_bits: dict) -> None:
+    """Enable each Mesa layer at its bits (0: off); layers not named are switched off."""
+    for name, m in mesa_layers(model):
+        b = layer_bits.get(name, 0)
+        m.enable = b > 0
+        if b:
+            m.bits = b
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).float().norm() / a.float().norm().clamp_min(1e-30))
+
+
+def _roundtrip(quantizer, x: torch.Tensor, bits: int) -> torch.Tensor:
+    q = copy.deepcopy(quantizer)
+    q.bits = bits
+    q.iteration.zero_()  # the probe batch's own range
+    return q.quantize(x.detach()).dequantize()
+
+
+def _input_err8(x: torch.Tensor, prefix: int = 0) -> float:
+    """Error proxy of a packed 8-bit checkpoint input (the quantizer checkpoint_block uses, with
+    the block's ``prefix`` token rows kept exactly)."""
+    mod = importlib.import_module("mesa_ops.checkpoint") if _packed_ckpt() else None
+    q = mod.input_quantizer(x, 8) if mod is not None and x.is_floating_point() else Quantizer(1)
+    q.bits = 8
+    q.prefix_tokens = prefix
+    return _rel(x, q.quantize(x).dequantize())
+
+
+def _head_bytes(x: torch.Tensor, prefix: int) -> int:
+    """Bytes of the ``prefix`` rows (dim -2) a packed copy of ``x`` keeps exactly (QTensor.head)."""
+    rows = prefix_rows(x.shape, prefix)
+    return x.numel() // x.shape[-2] * rows * x.element_size() if rows else 0
+
+
+def _ln_normed(x):
+    return torch.nn.functional.layer_norm(x.float(), x.shape[-1:])
+
+
+def _unit_error(model: nn.Module, unit: Unit, captured: dict, bits: int) -> float:
+    errs = []
+    for name in unit.layers:
+        m = model.get_submodule(name)
+        args, out = captured.get(name, ((), None))
+        if isinstance(m, L.ReLU) or not args:
+            continue  # ReLU keeps a 1-bit mask: exact
+        if isinstance(m, SDPA):
+            for qn, t in zip(QUANTIZERS, (args[0], args[1], args[2], out)):
+                if isinstance(t, torch.Tensor):
+                    t4 = t if t.dim() == 4 else \
+                        t.view(t.shape[0], t.shape[1], m.quant_groups, -1).transpose(1, 2)
+                    flat = t4.transpose(1, 2).reshape(t4.shape[0], t4.shape[2], -1)  # (B, L, H*D)
+                    errs.append(_rel(flat, _roundtrip(getattr(m, qn), flat, bits)))
+        elif isinstance(m, L.MatMul):
+            errs += [_rel(args[0], _roundtrip(m.quant1, args[0], bits)),
+                     _rel(args[1], _roundtrip(m.quant2, args[1], bits))]
+        elif isinstance(m, L.Softmax):
+            errs.append(_rel(out, _roundtrip(m.quant2, out, bits)))
+        elif isinstance(m, L.LayerNorm):
+            x = args[0]
+            errs.append(_rel(_ln_normed(x), _ln_normed(_roundtrip(m, x, bits))))
+        else:
+            errs.append(_rel(args[0], _roundtrip(m, args[0], bits)))
+    return max(errs, default=0.0)
+
+
+def _step_time(model, x, steps: int) -> float:
+    ts = [train_step_time(model, (x,)) for _ in range(steps + 1)]
+    model.zero_grad(set_to_none=True)
+    return statistics.median(ts[1:])
+
+
+def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
+    """One training forward with the given layer bits; per Mesa layer its (inputs, output), per
+    block its input bytes and error proxy at 8 bits (or, with ``timing``, its forward time)."""
+    _set(model, units_on)
+    captured, binfo, t0, stem, hooks = {}, {n: BlockInfo(n) for n in blocks}, {}, [], []
+    for name, m in mesa_layers(model):
+        def post(mod, args, out, name=name):
+            if isinstance(mod, L.Conv2d) and args and args[0] is x:
+                stem.append(name)
+            if not timing:
+                captured[name] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                                  out.detach() if isinstance(out, torch.Tensor) else None)
+        hooks.append(m.register_forward_hook(post))
+    for name, b in blocks.items():
+        def bpre(mod, args, name=name):
+            ts = [a.detach() for a in args if isinstance(a, torch.Tensor)]
+            binfo[name].in_bytes = sum(a.untyped_storage().nbytes() for a in ts)
+            prefix = site_prefix(mod)
+            if ts:
+                binfo[name].head_bytes = _head_bytes(ts[0], prefix)
+            if ts and not timing:
+                binfo[name].in_err8 = _input_err8(ts[0], prefix)
+            t0[name] = time.perf_counter()
+
+        def bpost(mod, args, out, name=name):
+            binfo[name].fwd_time = time.perf_counter() - t0[name]
+        hooks += [b.register_forward_pre_hook(bpre), b.register_forward_hook(bpost)]
+    try:
+        with torch.enable_grad():
+            out = model(x)
+        del out
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured, binfo, stem
+
+
+def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
+    """Profile ``model`` (Mesa layers in place: build it with ``mesa_ops.compress`` or this repo's
+    models) on the probe batch ``x`` (B, 3, H, W): per unit bytes at each bits, error proxies,
+    block inputs and forward times, the quantization time per element."""
+    model.train()
+    blocks = _blocks(model)
+    units = _units(model, blocks)
+    all8 = {n: 8 for u in units for n in u.layers}
+    captured, binfo8, stem = _capture(model, x, all8, blocks, timing=False)  # attention runs its op
+    units = [u for u in units if not set(u.layers) & set(stem)]
+    _, binfo, _ = _capture(model, x, {}, blocks, timing=True)
+    for name, b in binfo.items():
+        b.in_err8 = binfo8[name].in_err8
+    # bytes per unit: exact (all off), and at each bits with every other unit exact (two runs,
+    # alternate units on), so that no unit's bytes lean on a neighbour's packed copy
+    rep = audit(model, x, verbose=False)
+    per = rep.by_module()
+    for u in units:
+        u.bytes[0] = sum(v for k, v in per.items() if _in_unit(k, u))
+    fixed = rep.total_bytes - sum(u.bytes[0] for u in units)
+    for b in BITS[1:]:
+        for parity in (0, 1):
+            part = units[parity::2]
+            _set(model, {n: b for u in part for n in u.layers})
+            per = audit(model, x, verbose=False).by_module()
+            for u in units:
+                got = sum(v for k, v in per.items() if _in_unit(k, u))
+                if u in part:
+                    u.bytes[b] = got
+                else:  # exact next to packed neighbours: a tensor shared with an exact neighbour
+                    u.bytes[0] = max(u.bytes[0], got)  # (e.g. SDPA's output, proj's input) is its own
+    for u in units:
+        u.err = {b: (_unit_error(model, u, captured, b) if b else 0.0) for b in BITS}
+        u.elements = sum(_numel_saved(model.get_submodule(n), captured.get(n)) for n in u.layers)
+    del captured
+    # time: exact vs every unit at 8 bits
+    _set(model, {})
+    t_exact = _step_time(model, x, time_steps)
+    _set(model, {n: 8 for u in units for n in u.layers})
+    t_mesa = _step_time(model, x, time_steps)
+    _set(model, {})
+    elements = sum(u.elements for u in units) or 1
+    return Profile(units, list(binfo.values()), int(fixed), int(x.shape[0]),
+                   max(t_mesa - t_exact, 0.0) / elements, t_exact, _packed_ckpt() is not None)
+
+
+def _numel_saved(m, cap) -> int:
+    if cap is None:
+        return 0
+    args, out = cap
+    if isinstance(m, SDPA):
+        qkv = sum(a.numel() for a in args[:3] if isinstance(a, torch.Tensor))
+        return qkv + (out.numel() if out is not None else 0)
+    if isinstance(m, L.Softmax):
+        return out.numel() if out is not None else 0
+    return sum(a.numel() for a in args if isinstance(a, torch.Tensor))
