@@ -42,7 +42,36 @@ def test_summary_pairs_by_fold_and_seed():
     assert b["acc"] == statistics.fmean([65.0, 85.0]) and b["diff"] == 25.0
     assert math.isclose(b["diff_se"], statistics.stdev([10, 20, 30, 40]) / 2)
     table = cv.format_results(res)
-    assert "| b | 75.00% |" in table and "+25.00 +- 6.45" in table and "(0.250x)" in table
+    assert "| b | 0 1 | 75.00% |" in table and "+25.00 +- 6.45 | 4 |" in table and "(0.250x)" in table
+
+
+def test_a_mode_on_fewer_seeds_pairs_only_those():
+    runs = [{"mode": m, "seed": s, "fold": f, "correct": c, "n": 10, "acc1": 10.0 * c, "saved_mib": 1.0,
+             "step_ms": 1.0}
+            for s in range(4) for f in (0, 1) for m, c in (("a", 5), ("b", 6 + s))
+            if m == "a" or s < 2]
+    res = {"modes": ["a", "b"], "seeds": [0, 1, 2, 3], "seeds_for": {"a": [0, 1, 2, 3], "b": [0, 1]},
+           "folds": 2, "epochs": 1, "n_images": 20, "runs": runs}
+    a, b = cv.summarize(res)
+    assert a["pairs"] == 8 and b["pairs"] == 4 and b["seeds"] == [0, 1]
+    assert b["diff"] == 15.0 and b["acc"] == 65.0
+    assert "| a | 0-3 |" in cv.format_results(res)
+    with pytest.raises(ValueError, match="reference mode"):
+        cv.mode_seeds(["a", "b"], [0, 1], {"a": [0]})
+    with pytest.raises(ValueError, match="subset"):
+        cv.mode_seeds(["a", "b"], [0, 1], {"b": [2]})
+    with pytest.raises(ValueError, match="not among the modes"):
+        cv.mode_seeds(["a", "b"], [0, 1], {"c": [0]})
+    assert cv.mode_seeds(["a", "b"], [3, 1, 0], {"b": [0, 3]}) == {"a": [3, 1, 0], "b": [3, 0]}
+
+
+def test_seeds_for_parsing():
+    from tools.accuracy import _mode_seeds
+
+    assert _mode_seeds("mesa4=0-2,5") == ("mesa4", [0, 1, 2, 5])
+    for bad in ("mesa4", "mesa4=", "mesa4=a-b"):
+        with pytest.raises(ValueError, match="seeds-for"):
+            _mode_seeds(bad)
 
 
 def test_unknown_mode_is_a_clear_error():
@@ -80,3 +109,9 @@ def test_cli_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     again = main(["--folds", "2", "--seeds", "0", "--epochs", "1", "--modes", "exact", "mesa2",
                   "--out", str(tmp_path), "--resume"])
     assert [r["correct"] for r in again["runs"]] == [r["correct"] for r in res["runs"]]
+    # two worker processes: the same runs (each seeds itself), in the same order
+    par = main(["--folds", "2", "--seeds", "0", "--epochs", "1", "--modes", "exact", "mesa2",
+                "--out", str(tmp_path / "par"), "--jobs", "2"])
+    assert [(r["mode"], r["fold"], r["correct"]) for r in par["runs"]] == \
+        [(r["mode"], r["fold"], r["correct"]) for r in res["runs"]]
+    assert "2 at a time, 1 thread each" in capsys.readouterr().out

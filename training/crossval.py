@@ -17,9 +17,12 @@ fold accuracies, mean +- its standard error over the ``seeds x folds`` pairs.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import time
@@ -120,60 +123,124 @@ def train_fold(x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, bits: int |
             "seconds": time.perf_counter() - t0}
 
 
+def _task_key(mode: str, seed: int, fold: int) -> str:
+    return f"{mode}_s{seed}_f{fold}"
+
+
+@functools.lru_cache(maxsize=1)
+def _digits():
+    return digits_all(models.demo.DEMO_INPUT_SIZE)
+
+
+def _run_task(mode: str, seed: int, fold: int, folds: int, epochs: int, stem: str | None,
+              extra_args=(), threads: int | None = None) -> dict:
+    """One (mode, seed, fold) run (in this process or a worker of :func:`crossval`); written to
+    ``stem.json`` (its log to ``stem.log``) when ``stem`` is given."""
+    if threads:
+        torch.set_num_threads(threads)
+    x, y = _digits()
+    tr, va = fold_splits(y, folds, seed)[fold]
+    r = train_fold(x, y, tr, va, MODES[mode], seed, epochs, log_path=stem + ".log" if stem else None,
+                   extra_args=extra_args)
+    r.update(mode=mode, seed=seed, fold=fold)
+    if stem:
+        with open(stem + ".json", "w", encoding="utf-8") as f:
+            json.dump(r, f)
+    return r
+
+
+def mode_seeds(modes, seeds, seeds_for: dict | None = None) -> dict:
+    """{mode: its seeds}: ``seeds``, or ``seeds_for[mode]`` (a subset of ``seeds``: the first
+    mode is the reference of every pair, so it runs all of them)."""
+    seeds_for = dict(seeds_for or {})
+    for m, ss in seeds_for.items():
+        if m not in modes:
+            raise ValueError(f"crossval: seeds given for {m!r}, which is not among the modes {list(modes)}")
+        if m == modes[0] and list(ss) != list(seeds):
+            raise ValueError(f"crossval: {m!r} is the reference mode and runs every seed")
+        if not set(ss) <= set(seeds) or not ss:
+            raise ValueError(f"crossval: the seeds of {m!r} ({list(ss)}) must be a non-empty subset "
+                             f"of the seeds ({list(seeds)})")
+    return {m: [s for s in seeds if s in set(seeds_for.get(m, seeds))] for m in modes}
+
+
 def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: int = 5,
              epochs: int = 30, out_dir: str | None = None, resume: bool = False, progress=print,
-             extra_args=()) -> dict:
-    """Run every (seed, fold, mode); returns {``modes``, ``seeds``, ``folds``, ``epochs``,
-    ``n_images``, ``runs``: [{mode, seed, fold, correct, n, acc1, saved_mib, step_ms, seconds}]}.
-    With ``out_dir`` each run is written to ``out_dir/runs/<mode>_s<seed>_f<fold>.json`` (its
-    log next to it); ``resume``: runs found there are read instead of trained."""
+             extra_args=(), seeds_for: dict | None = None, jobs: int = 1,
+             threads: int | None = None) -> dict:
+    """Run every (seed, fold, mode); returns {``modes``, ``seeds``, ``seeds_for`` ({mode: its
+    seeds}), ``folds``, ``epochs``, ``n_images``, ``runs``: [{mode, seed, fold, correct, n, acc1,
+    saved_mib, step_ms, seconds}] in (seed, fold, mode) order}. ``seeds_for`` {mode: seeds} runs a
+    mode on a subset of the seeds only (the reference, the first mode, runs all). With ``out_dir``
+    each run is written to ``out_dir/runs/<mode>_s<seed>_f<fold>.json`` (its log next to it);
+    ``resume``: runs found there are read instead of trained. ``jobs`` > 1 trains that many runs
+    at once in worker processes, each with ``threads`` threads (default 1); every run seeds
+    itself, so a run's result does not depend on where it ran."""
     for m in modes:
         if m not in MODES:
             raise ValueError(f"crossval: unknown mode {m!r}; expected one of {', '.join(MODES)}")
-    x, y = digits_all(models.demo.DEMO_INPUT_SIZE)
-    runs = []
+    if jobs < 1:
+        raise ValueError(f"crossval: jobs must be >= 1, got {jobs}")
+    per_mode = mode_seeds(modes, seeds, seeds_for)
+    y = _digits()[1]
     run_dir = os.path.join(out_dir, "runs") if out_dir else None
     if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-    for seed in seeds:
-        for fold, (tr, va) in enumerate(fold_splits(y, folds, seed)):
-            for mode in modes:
-                stem = os.path.join(run_dir, f"{mode}_s{seed}_f{fold}") if run_dir else None
-                if resume and stem and os.path.isfile(stem + ".json"):
-                    with open(stem + ".json", encoding="utf-8") as f:
-                        r = json.load(f)
-                else:
-                    r = train_fold(x, y, tr, va, MODES[mode], seed, epochs,
-                                   log_path=stem + ".log" if stem else None, extra_args=extra_args)
-                    r.update(mode=mode, seed=seed, fold=fold)
-                    if stem:
-                        with open(stem + ".json", "w", encoding="utf-8") as f:
-                            json.dump(r, f)
-                runs.append(r)
-                if progress:
-                    progress(f"{mode:>6} seed {seed} fold {fold}: {r['acc1']:.2f}% "
-                             f"({r['correct']}/{r['n']}), {r['seconds']:.0f} s")
-    return {"modes": list(modes), "seeds": list(seeds), "folds": folds, "epochs": epochs,
-            "n_images": int(len(y)), "runs": runs}
+    tasks = [(mode, seed, fold) for seed in seeds for fold in range(folds) for mode in modes
+             if seed in per_mode[mode]]
+    done: dict[tuple, dict] = {}
+    todo = []
+    for t in tasks:
+        stem = os.path.join(run_dir, _task_key(*t)) if run_dir else None
+        if resume and stem and os.path.isfile(stem + ".json"):
+            with open(stem + ".json", encoding="utf-8") as f:
+                done[t] = json.load(f)
+            _report(progress, done[t])
+        else:
+            todo.append((t, stem))
+
+    if jobs == 1:
+        for (mode, seed, fold), stem in todo:
+            done[(mode, seed, fold)] = _run_task(mode, seed, fold, folds, epochs, stem, extra_args, threads)
+            _report(progress, done[(mode, seed, fold)])
+    elif todo:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(_run_task, mode, seed, fold, folds, epochs, stem, tuple(extra_args),
+                                   threads or 1): (mode, seed, fold)
+                       for (mode, seed, fold), stem in todo}
+            for fut in concurrent.futures.as_completed(futures):
+                done[futures[fut]] = fut.result()
+                _report(progress, done[futures[fut]])
+    return {"modes": list(modes), "seeds": list(seeds), "seeds_for": per_mode, "folds": folds,
+            "epochs": epochs, "n_images": int(len(y)), "runs": [done[t] for t in tasks]}
+
+
+def _report(progress, r: dict) -> None:
+    if progress:
+        progress(f"{r['mode']:>6} seed {r['seed']} fold {r['fold']}: {r['acc1']:.2f}% "
+                 f"({r['correct']}/{r['n']}), {r['seconds']:.0f} s")
 
 
 def summarize(res: dict) -> list[dict]:
-    """Per mode: ``acc`` mean top-1 (%) over seeds of the cross-validated accuracy, ``acc_sd``
+    """Per mode: ``acc`` mean top-1 (%) over its seeds of the cross-validated accuracy, ``acc_sd``
     its sd over seeds, ``diff`` / ``diff_se`` the paired difference to the first mode (points,
-    mean +- standard error over the seed x fold pairs), ``pairs``, ``saved_mib``, ``step_ms``."""
+    mean +- standard error over the mode's seed x fold pairs), ``pairs``, ``seeds``,
+    ``saved_mib``, ``step_ms``."""
     by = {(r["mode"], r["seed"], r["fold"]): r for r in res["runs"]}
     base = res["modes"][0]
+    per_mode = res.get("seeds_for") or {}
     rows = []
     for m in res["modes"]:
+        seeds = per_mode.get(m, res["seeds"])
         per_seed = []
-        for s in res["seeds"]:
+        for s in seeds:
             rs = [by[(m, s, f)] for f in range(res["folds"])]
             per_seed.append(100.0 * sum(r["correct"] for r in rs) / sum(r["n"] for r in rs))
-        d = [by[(m, s, f)]["acc1"] - by[(base, s, f)]["acc1"]
-             for s in res["seeds"] for f in range(res["folds"])]
+        d = [by[(m, s, f)]["acc1"] - by[(base, s, f)]["acc1"] for s in seeds for f in range(res["folds"])]
         se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
         mine = [r for r in res["runs"] if r["mode"] == m]
-        rows.append({"mode": m, "acc": statistics.fmean(per_seed),
+        rows.append({"mode": m, "seeds": list(seeds), "acc": statistics.fmean(per_seed),
                      "acc_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else float("nan"),
                      "diff": statistics.fmean(d), "diff_se": se, "pairs": len(d),
                      "saved_mib": statistics.median(r["saved_mib"] for r in mine),
@@ -181,21 +248,30 @@ def summarize(res: dict) -> list[dict]:
     return rows
 
 
+def _seed_list(seeds) -> str:
+    """0 1 2 -> '0-2'; 0 2 5 -> '0 2 5'."""
+    seeds = list(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return " ".join(map(str, seeds))
+
+
 def format_results(res: dict) -> str:
     """The summary as a markdown table, with what it was run with."""
     rows = summarize(res)
     base = rows[0]
     lines = [f"Demo DeiT on DIGITS ({res['n_images']} images), {res['folds']}-fold cross-validation x "
-             f"{len(res['seeds'])} seeds ({' '.join(map(str, res['seeds']))}), {res['epochs']} epochs; "
-             f"differences paired by fold and seed, +- standard error over {base['pairs']} pairs:",
+             f"seeds, {res['epochs']} epochs; differences paired by fold and seed, +- standard error "
+             "over the pairs:",
              "",
-             f"| mode | top-1 (mean over seeds) | sd over seeds | vs {base['mode']} (points) | "
+             f"| mode | seeds | top-1 (mean over seeds) | sd over seeds | vs {base['mode']} (points) | pairs | "
              "saved activations / step | step time |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         diff = "" if r is base else f"{r['diff']:+.2f} +- {r['diff_se']:.2f}"
-        lines.append(f"| {r['mode']} | {r['acc']:.2f}% | {r['acc_sd']:.2f} | {diff} | "
-                     f"{r['saved_mib']:.2f} MiB ({r['saved_mib'] / base['saved_mib']:.3f}x) | "
+        pairs = "" if r is base else str(r["pairs"])
+        lines.append(f"| {r['mode']} | {_seed_list(r['seeds'])} | {r['acc']:.2f}% | {r['acc_sd']:.2f} | {diff} | "
+                     f"{pairs} | {r['saved_mib']:.2f} MiB ({r['saved_mib'] / base['saved_mib']:.3f}x) | "
                      f"{r['step_ms']:.1f} ms |")
     return "\n".join(lines)
 
@@ -218,7 +294,7 @@ def plot(res: dict, path: str) -> str | None:
         ax.annotate(r["mode"], (r["saved_mib"], r["acc"]), textcoords="offset points", xytext=(5, 5))
     ax.set_xlabel("saved activations per training step (MiB)")
     ax.set_ylabel("top-1 (%), cross-validated")
-    ax.set_title(f"DIGITS, {res['folds']}-fold x {len(res['seeds'])} seeds, {res['epochs']} epochs",
+    ax.set_title(f"DIGITS, {res['folds']}-fold x up to {len(res['seeds'])} seeds, {res['epochs']} epochs",
                  fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
