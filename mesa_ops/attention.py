@@ -65,9 +65,19 @@ class SDPA(nn.Module):
         for name in QUANTIZERS:
             setattr(self, name, Quantizer(quant_groups, tag=f"attention-{name[-1]}", enable=on, bits=bits))
         # backward of the fused kernels: rerun the forward on the stored (dequantized) q, k, v for
-        # its softmax statistics (True: the exact gradient at the stored inputs, no bias from a
-        # logsumexp of other inputs, one more attention forward) or use the forward's (False)
-        self.consistent_backward = True
+        # its softmax statistics (True: the exact gradient at the stored inputs, one more
+        # attention forward per step) or use the forward's logsumexp (False); None (auto): rerun
+        # only where a quantizer of q, k, v clips to its running range (range_mode 'ema'), where
+        # the forward's logsumexp biases the gradient (issue 20, docs/fidelity.md)
+        self.consistent_backward: Optional[bool] = None
+
+    def reruns_forward(self) -> bool:
+        """Whether the fused kernels' backward reruns the forward (see ``consistent_backward``)."""
+        rerun = getattr(self, "consistent_backward", None)  # (modules pickled whole before it)
+        if rerun is not None:
+            return bool(rerun)
+        return any(getattr(self, q).enable and getattr(self, q).range_mode == "ema"
+                   for q in QUANTIZERS[:3])
 
     def update_quantization_parameter(self, **parameters):
         return update_quantization_parameter(self, **parameters)

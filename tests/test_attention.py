@@ -156,8 +156,20 @@ def test_sdpa_inactive_is_plain_sdpa_and_state_dict():
     for k, v in other.state_dict().items():
         assert torch.equal(v, sd[k]), k
     assert float(other.quant_q.iteration) == 1
-    # head-layout output, consistent backward: the output is recomputed there, not stored
-    assert float(other.quant_o.iteration) == 0
+    # head-layout output; backward from the forward's logsumexp (the auto rule under 'union'):
+    # the output is stored
+    assert not sdpa.reruns_forward() and float(other.quant_o.iteration) == 1
+    # the paper's clip ('ema'), or asked for: the consistent backward recomputes the output
+    for rule, setting in (("ema", None), ("union", True)):
+        sdpa = ms.SDPA(quant_groups=3, enable=True, bits=4).train()
+        sdpa.range_mode, sdpa.consistent_backward = rule, setting
+        assert sdpa.reruns_forward()
+        sdpa(*tensors[:3], scale=scale).sum().backward()
+        assert float(sdpa.quant_q.iteration) == 1 and float(sdpa.quant_o.iteration) == 0
+    sdpa.consistent_backward = False
+    assert not sdpa.reruns_forward()
+    del sdpa.consistent_backward  # (a module pickled whole before the setting): the auto rule
+    assert not sdpa.reruns_forward()
     with pytest.raises(ValueError, match="4-D"):
         ms.SDPA(enable=True).train()(tensors[0][0], tensors[1][0], tensors[2][0])
 
@@ -187,9 +199,13 @@ def test_block_saved_bytes_below_sdpa_and_explicit_mesa():
     tokens = 4 * 197 * 192
     # 8-bit token tensors: norm1's x-hat (shared with qkv), q, k, v, out (shared with proj),
     # norm2's x-hat (shared with fc1), GELU in (4x, shared with fc2) = 10; fp32: the norms' rstd
-    # (B, N) each (no logsumexp: the consistent backward recomputes it); per-group scales (< 1 KiB)
-    fp32 = 4 * (2 * 4 * 197)
+    # (B, N) each and the fused kernel's logsumexp (B, H, N); per-group scales (< 1 KiB)
+    fp32 = 4 * (2 * 4 * 197) + 4 * (4 * 3 * 197)
     assert 10 * tokens + fp32 <= fused <= 10 * tokens + fp32 + 1024, fused
+    # the consistent backward (as the auto rule under range_mode 'ema') recomputes the logsumexp
+    set_attn_impl(block, "fused")
+    attn.sdpa.consistent_backward = True
+    assert 10 * tokens + fp32 - 4 * (4 * 3 * 197) <= _block_bytes(block, x) <= fused - 4 * (4 * 3 * 197) + 1024
 
 
 @pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "swin_tiny_patch4_window7_224", "pvt_tiny"])

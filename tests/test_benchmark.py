@@ -80,3 +80,19 @@ def test_paper_table_pairs_exact_and_mesa8_with_the_paper_column():
     assert cells[9:] == ["256", "205", "0.800"]
     row64 = next(line for line in lines if "| 64 |" in line)
     assert "OOM" in row64 and row64.count("| - |") >= 3
+
+
+def test_sdpa_backward_benchmark_bytes_and_table():
+    """benchmarks.sdpa_backward (issue 20): the default (union, auto backward) stores what the
+    paper's configuration stores (the forward's logsumexp); the consistent backward stores less
+    (no logsumexp); the table has a row per configuration."""
+    from benchmarks import sdpa_backward as S
+
+    rows = S.measure("deit_tiny_patch16_224", img=32, batch=2, rounds=1)
+    by = {r["config"]: r for r in rows}
+    assert set(by) == {"paper", "default", "consistent"}
+    assert by["paper"]["saved_x"] == 1.0 and by["default"]["saved_x"] == 1.0
+    lse = 12 * 2 * 3 * 5 * 4 / 2 ** 20  # 12 blocks, (B, H, N) fp32, N = 4 patches + the class token
+    assert by["consistent"]["saved_mib"] == pytest.approx(by["paper"]["saved_mib"] - lse, abs=1e-9)
+    table = S.format_table(rows, 1)
+    assert table.count("| deit_tiny_patch16_224 |") == 3 and "| default | union | None |" in table

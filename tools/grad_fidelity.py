@@ -51,9 +51,10 @@ def _args(argv):
     ap.add_argument("--draws", type=int, default=16)
     ap.add_argument("--groups", type=int, default=None, help="print at most this many groups per table")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sdpa-backward", choices=("consistent", "lse"), default="consistent",
-                    help="fused attention backward: 'consistent' (the default: reruns the forward on "
-                    "the stored q, k, v) or 'lse' (the forward's softmax statistics, as before)")
+    ap.add_argument("--sdpa-backward", choices=("auto", "consistent", "lse"), default="auto",
+                    help="fused attention backward: 'consistent' (reruns the forward on the stored "
+                    "q, k, v), 'lse' (the forward's softmax statistics) or 'auto' (the default: "
+                    "consistent under range_mode 'ema' only; ms.SDPA.consistent_backward)")
     ap.add_argument("--json", default=None, help="write the reports here")
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.warm_steps < 0 or args.draws < 2:
@@ -108,7 +109,7 @@ def main(argv=None):
         model = build_model(args.model, policy, img_size=args.input_size, **kw)
         for m in model.modules():
             if isinstance(m, ms.SDPA):
-                m.consistent_backward = args.sdpa_backward == "consistent"
+                m.consistent_backward = {"auto": None, "consistent": True, "lse": False}[args.sdpa_backward]
         return model
 
     torch.manual_seed(args.seed)
