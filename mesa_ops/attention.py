@@ -67,8 +67,10 @@ class SDPA(nn.Module):
         # backward of the fused kernels: rerun the forward on the stored (dequantized) q, k, v for
         # its softmax statistics (True: the exact gradient at the stored inputs, one more
         # attention forward per step) or use the forward's logsumexp (False); None (auto): rerun
-        # only where a quantizer of q, k, v clips to its running range (range_mode 'ema'), where
-        # the forward's logsumexp biases the gradient (issue 20, docs/fidelity.md)
+        # where the forward's logsumexp is far from the stored q, k's, i.e. where a quantizer of
+        # q, k, v clips to its running range (range_mode 'ema': a bias) or stores fewer than 8
+        # bits (P = exp(q~ k~^T s - lse) then strays from summing to one: 2-bit training
+        # diverges), not at 8 bits under 'union' (issue 20, docs/fidelity.md)
         self.consistent_backward: Optional[bool] = None
 
     def reruns_forward(self) -> bool:
@@ -76,7 +78,7 @@ class SDPA(nn.Module):
         rerun = getattr(self, "consistent_backward", None)  # (modules pickled whole before it)
         if rerun is not None:
             return bool(rerun)
-        return any(getattr(self, q).enable and getattr(self, q).range_mode == "ema"
+        return any(getattr(self, q).enable and (getattr(self, q).range_mode == "ema" or getattr(self, q).bits < 8)
                    for q in QUANTIZERS[:3])
 
     def update_quantization_parameter(self, **parameters):

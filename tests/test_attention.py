@@ -156,20 +156,25 @@ def test_sdpa_inactive_is_plain_sdpa_and_state_dict():
     for k, v in other.state_dict().items():
         assert torch.equal(v, sd[k]), k
     assert float(other.quant_q.iteration) == 1
-    # head-layout output; backward from the forward's logsumexp (the auto rule under 'union'):
-    # the output is stored
-    assert not sdpa.reruns_forward() and float(other.quant_o.iteration) == 1
-    # the paper's clip ('ema'), or asked for: the consistent backward recomputes the output
-    for rule, setting in (("ema", None), ("union", True)):
-        sdpa = ms.SDPA(quant_groups=3, enable=True, bits=4).train()
+    # head-layout output, 4 bits: the consistent backward (the auto rule below 8 bits) recomputes
+    # the output, it is not stored
+    assert sdpa.reruns_forward() and float(other.quant_o.iteration) == 0
+    # 8 bits under 'union' (the default): backward from the forward's logsumexp, the output
+    # stored; the paper's clip ('ema'), fewer bits, or asked for: the forward is rerun
+    for rule, bits, setting, rerun in (("union", 8, None, False), ("ema", 8, None, True),
+                                       ("union", 2, None, True), ("union", 8, True, True),
+                                       ("ema", 4, False, False)):
+        sdpa = ms.SDPA(quant_groups=3, enable=True, bits=bits).train()
         sdpa.range_mode, sdpa.consistent_backward = rule, setting
-        assert sdpa.reruns_forward()
+        assert sdpa.reruns_forward() == rerun, (rule, bits, setting)
         sdpa(*tensors[:3], scale=scale).sum().backward()
-        assert float(sdpa.quant_q.iteration) == 1 and float(sdpa.quant_o.iteration) == 0
-    sdpa.consistent_backward = False
+        assert float(sdpa.quant_q.iteration) == 1 and float(sdpa.quant_o.iteration) == (not rerun)
+    sdpa.quant_q.enable = sdpa.quant_k.enable = sdpa.quant_v.enable = False  # only the output: 4 bits
+    sdpa.consistent_backward = None
     assert not sdpa.reruns_forward()
+    sdpa.quant_k.enable = True
     del sdpa.consistent_backward  # (a module pickled whole before the setting): the auto rule
-    assert not sdpa.reruns_forward()
+    assert sdpa.reruns_forward()
     with pytest.raises(ValueError, match="4-D"):
         ms.SDPA(enable=True).train()(tensors[0][0], tensors[1][0], tensors[2][0])
 
