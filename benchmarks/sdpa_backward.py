@@ -11,7 +11,7 @@ One model at 8 bits (``mesa8``), the same weights and batch, three configuration
 * ``consistent``: 'union' with the forward rerun on the stored q, k, v in backward.
 
 Each round times one training step (forward, backward, an SGD step) of every configuration in
-turn, so slow phases of the machine hit all three; prints the median step time, its ratio to
+turn (the order rotating), so slow phases of the machine hit all three; prints the median step time, its ratio to
 ``paper`` (median of the per-round ratios, with their range) and the bytes saved for backward
 (``ms.SavedActivationMeter``).
 """
@@ -68,8 +68,9 @@ def measure(name: str, img: int = 224, batch: int = 8, rounds: int = 12, seed: i
     for label in CONFIGS:  # warm-up
         step(label)
     times = {label: [] for label in CONFIGS}
-    for _ in range(rounds):
-        for label in CONFIGS:
+    order = list(CONFIGS)
+    for i in range(rounds):  # (the order rotates from round to round: no position effect)
+        for label in order[i % 3:] + order[:i % 3]:
             times[label].append(step(label)[0])
     rows = []
     for label in CONFIGS:

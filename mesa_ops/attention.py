@@ -5,7 +5,9 @@ softmax, attn @ v -- and so stores the N x M attention matrix (at 8 bits). Exact
 PyTorch's fused SDPA keeps no such matrix, only q, k, v, the output and the logsumexp. ``SDPA``
 combines the two: the forward is the fused kernel PyTorch would run (bit-identical output), and
 backward keeps q, k, v and the output packed by four quantizers (head-wise groups) plus the fp32
-logsumexp; see :mod:`mesa_ops.functional.attention`.
+logsumexp (at 8 bits under range_mode 'union'; below 8 bits or under 'ema' the backward reruns the
+forward on the stored q, k, v instead: ``consistent_backward``); see
+:mod:`mesa_ops.functional.attention`.
 
 State dict: ``quant_q.*``, ``quant_k.*``, ``quant_v.*``, ``quant_o.*`` (each ``clip_val``,
 ``shift``, ``iteration`` with one entry per head). Policy tag ``attention`` (``on attention:``
@@ -58,26 +60,26 @@ class SDPA(nn.Module):
 
     tag = "attention"
     __jit_unused_properties__ = list(_PROXIED)  # Python-side settings (see mesa_ops.quant)
+    # backward of the fused kernels: rerun the forward on the stored (dequantized) q, k, v for
+    # its softmax statistics (True: the exact gradient at the stored inputs, one more attention
+    # forward per step) or use the forward's logsumexp (False); None (auto, the default): rerun
+    # where the forward's logsumexp is far from the stored q, k's, i.e. where a quantizer of q, k,
+    # v clips to its running range (range_mode 'ema': a bias) or stores fewer than 8 bits (P =
+    # exp(q~ k~^T s - lse) then strays from summing to one: 2-bit training diverges), not at 8
+    # bits under 'union' (issue 20, docs/fidelity.md). A class default: also the setting of
+    # modules pickled whole before it existed
+    consistent_backward: Optional[bool] = None
 
     def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
         super().__init__()
         on = bool(mesa or enable)
         for name in QUANTIZERS:
             setattr(self, name, Quantizer(quant_groups, tag=f"attention-{name[-1]}", enable=on, bits=bits))
-        # backward of the fused kernels: rerun the forward on the stored (dequantized) q, k, v for
-        # its softmax statistics (True: the exact gradient at the stored inputs, one more
-        # attention forward per step) or use the forward's logsumexp (False); None (auto): rerun
-        # where the forward's logsumexp is far from the stored q, k's, i.e. where a quantizer of
-        # q, k, v clips to its running range (range_mode 'ema': a bias) or stores fewer than 8
-        # bits (P = exp(q~ k~^T s - lse) then strays from summing to one: 2-bit training
-        # diverges), not at 8 bits under 'union' (issue 20, docs/fidelity.md)
-        self.consistent_backward: Optional[bool] = None
 
     def reruns_forward(self) -> bool:
         """Whether the fused kernels' backward reruns the forward (see ``consistent_backward``)."""
-        rerun = getattr(self, "consistent_backward", None)  # (modules pickled whole before it)
-        if rerun is not None:
-            return bool(rerun)
+        if self.consistent_backward is not None:
+            return bool(self.consistent_backward)
         return any(getattr(self, q).enable and (getattr(self, q).range_mode == "ema" or getattr(self, q).bits < 8)
                    for q in QUANTIZERS[:3])
 

@@ -63,6 +63,21 @@ def test_a_mode_on_fewer_seeds_pairs_only_those():
     with pytest.raises(ValueError, match="not among the modes"):
         cv.mode_seeds(["a", "b"], [0, 1], {"c": [0]})
     assert cv.mode_seeds(["a", "b"], [3, 1, 0], {"b": [0, 3]}) == {"a": [3, 1, 0], "b": [3, 0]}
+    assert cv.mode_seeds(["a", "b"], [1, 0], {"a": [0, 1]})["a"] == [1, 0]  # (any order)
+    for modes, seeds in ((["a", "a"], [0]), (["a"], [0, 0])):
+        with pytest.raises(ValueError, match="given twice"):
+            cv.mode_seeds(modes, seeds)
+
+
+def test_a_failing_worker_stops_the_pool(tmp_path):
+    """With --jobs, a run's error comes back as that error (here a bad model name), and no run
+    is left half-written."""
+    from training.main import UsageError
+
+    with pytest.raises(UsageError, match="unknown model 'no_such_model'"):
+        cv.crossval(modes=("exact", "mesa8"), seeds=(0,), folds=2, epochs=1, jobs=2, progress=None,
+                    extra_args=("--model", "no_such_model"), out_dir=str(tmp_path))
+    assert not list((tmp_path / "runs").glob("*.json*"))
 
 
 def test_seeds_for_parsing():
@@ -103,8 +118,6 @@ def test_cli_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [r["mode"] for r in saved["summary"]] == ["exact", "mesa2"]
     assert (tmp_path / "table.md").read_text().startswith("Demo DeiT on DIGITS")
-    pytest.importorskip("matplotlib")
-    assert (tmp_path / "accuracy.png").stat().st_size > 1000
     # --resume reads the runs back instead of training
     again = main(["--folds", "2", "--seeds", "0", "--epochs", "1", "--modes", "exact", "mesa2",
                   "--out", str(tmp_path), "--resume"])
@@ -115,3 +128,5 @@ def test_cli_tiny_run_writes_table_json_and_plot(tmp_path, capsys):
     assert [(r["mode"], r["fold"], r["correct"]) for r in par["runs"]] == \
         [(r["mode"], r["fold"], r["correct"]) for r in res["runs"]]
     assert "2 at a time, 1 thread each" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")  # (last: the rest runs without it)
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000

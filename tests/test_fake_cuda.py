@@ -67,13 +67,17 @@ def _supported(choice, dtype, mask):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"N{c[2]}M{c[3]}D{c[4]}{c[5] or ''}" for c in CASES])
-def test_sdpa_branches_forward_backward(monkeypatch, choice, dtype, case):
+@pytest.mark.parametrize("rerun", [False, True], ids=["lse", "rerun"])
+def test_sdpa_branches_forward_backward(monkeypatch, choice, dtype, case, rerun):
+    """Each kernel, with the backward from the forward's logsumexp (8 bits, 'union') and with the
+    forward rerun on the stored q, k, v (below 8 bits, 'ema', or asked for)."""
     b, h, n, m, d, mask = case
     if not _supported(choice, dtype, mask):
         pytest.skip("PyTorch never picks this kernel for these inputs")
     monkeypatch.setattr(attn, "sdp_choice", lambda *a, **k: choice)
     with fake_cuda(), cuda_available():
         mod = to_fake_cuda(_sdpa(h, d)).train()
+        mod.consistent_backward = rerun
         q = torch.randn(b, h, n, d, device="cuda", dtype=dtype, requires_grad=True)
         k = torch.randn(b, h, m, d, device="cuda", dtype=dtype, requires_grad=True)
         v = torch.randn(b, h, m, d, device="cuda", dtype=dtype, requires_grad=True)
@@ -92,6 +96,8 @@ def test_sdpa_branches_forward_backward(monkeypatch, choice, dtype, case):
         used = attn.EFFICIENT  # cuDNN's backward gives no bias gradient
     fwd, bwd = KERNELS[used]
     assert calls.of(fwd) and calls.of(bwd), f"{fwd} / {bwd} not called"
+    if used != attn.MATH:  # (the math path recomputes its probabilities by hand, no fused forward)
+        assert len(calls.of(fwd)) == 1 + rerun
     for other, (f, _) in KERNELS.items():
         if other != used:
             assert not calls.of(f)
@@ -100,18 +106,20 @@ def test_sdpa_branches_forward_backward(monkeypatch, choice, dtype, case):
             assert all(s[-1] % 8 == 0 for s in shapes if len(s) == 4), shapes
 
 
-def test_flash_pads_head_dim_36_and_slices_back(monkeypatch):
+@pytest.mark.parametrize("bits", [8, 2])
+def test_flash_pads_head_dim_36_and_slices_back(monkeypatch, bits):
     monkeypatch.setattr(attn, "sdp_choice", lambda *a, **k: attn.FLASH)
     with fake_cuda(), cuda_available():
         mod = to_fake_cuda(_sdpa(2, 36)).train()
+        mod.bits = bits
         q = torch.randn(2, 2, 21, 36, device="cuda", dtype=torch.float16, requires_grad=True)
         with _Calls() as calls:
             y = mod(q, q, q)
             backward(y.float().sum())
         assert y.shape[-1] == 36 and q.grad.shape == q.shape
     fwds = calls.of(aten._scaled_dot_product_flash_attention)
-    # consistent_backward reruns the forward on the stored q, k, v in backward: padded there too
-    assert len(fwds) == (2 if mod.reruns_forward() else 1)
+    # below 8 bits the backward reruns the forward on the stored q, k, v: padded there too
+    assert mod.reruns_forward() == (bits < 8) and len(fwds) == (2 if bits < 8 else 1)
     assert all(fwd == [(2, 2, 21, 40)] * 3 for fwd in fwds)
     (bwd,) = calls.of(aten._scaled_dot_product_flash_attention_backward)
     assert [s for s in bwd if len(s) == 4] == [(2, 2, 21, 40)] * 5  # grad_out, q, k, v, out

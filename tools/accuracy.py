@@ -37,7 +37,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (per job)")
     args = ap.parse_args(argv)
     try:
-        seeds_for = dict(_mode_seeds(item) for item in args.seeds_for)
+        pairs = [_mode_seeds(item) for item in args.seeds_for]
+        seeds_for = dict(pairs)
+        if len(seeds_for) < len(pairs):
+            raise ValueError("--seeds-for: a mode is given twice")
         cv.mode_seeds(args.modes, args.seeds, seeds_for)
     except ValueError as e:
         ap.error(str(e))

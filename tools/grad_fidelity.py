@@ -54,7 +54,7 @@ def _args(argv):
     ap.add_argument("--sdpa-backward", choices=("auto", "consistent", "lse"), default="auto",
                     help="fused attention backward: 'consistent' (reruns the forward on the stored "
                     "q, k, v), 'lse' (the forward's softmax statistics) or 'auto' (the default: "
-                    "consistent under range_mode 'ema' only; ms.SDPA.consistent_backward)")
+                    "consistent below 8 bits or under range_mode 'ema'; ms.SDPA.consistent_backward)")
     ap.add_argument("--json", default=None, help="write the reports here")
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.warm_steps < 0 or args.draws < 2:

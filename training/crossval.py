@@ -13,7 +13,9 @@ trains the demo model (:mod:`models.demo`) with the demo's recipe (:data:`DEMO_T
 initial weights and the same batch order (``torch.manual_seed(seed)``, the sampler's seed), so
 the modes differ only in what Mesa does. Per mode: the mean top-1 over seeds of the
 cross-validated accuracy (all images), and against the first mode the paired difference of
-fold accuracies, mean +- its standard error over the ``seeds x folds`` pairs.
+fold accuracies, mean +- its standard error over the mode's ``seeds x folds`` pairs (a mode may
+run on a subset of the seeds: ``seeds_for``). Runs can go ``jobs`` at a time in worker
+processes.
 """
 from __future__ import annotations
 
@@ -143,9 +145,10 @@ def _run_task(mode: str, seed: int, fold: int, folds: int, epochs: int, stem: st
     r = train_fold(x, y, tr, va, MODES[mode], seed, epochs, log_path=stem + ".log" if stem else None,
                    extra_args=extra_args)
     r.update(mode=mode, seed=seed, fold=fold)
-    if stem:
-        with open(stem + ".json", "w", encoding="utf-8") as f:
+    if stem:  # (written whole or not at all: a run killed here leaves no half file for --resume)
+        with open(stem + ".json.tmp", "w", encoding="utf-8") as f:
             json.dump(r, f)
+        os.replace(stem + ".json.tmp", stem + ".json")
     return r
 
 
@@ -153,10 +156,13 @@ def mode_seeds(modes, seeds, seeds_for: dict | None = None) -> dict:
     """{mode: its seeds}: ``seeds``, or ``seeds_for[mode]`` (a subset of ``seeds``: the first
     mode is the reference of every pair, so it runs all of them)."""
     seeds_for = dict(seeds_for or {})
+    for name, items in (("modes", modes), ("seeds", seeds)):
+        if len(set(items)) != len(list(items)):
+            raise ValueError(f"crossval: {name} given twice: {list(items)}")
     for m, ss in seeds_for.items():
         if m not in modes:
             raise ValueError(f"crossval: seeds given for {m!r}, which is not among the modes {list(modes)}")
-        if m == modes[0] and list(ss) != list(seeds):
+        if m == modes[0] and set(ss) != set(seeds):
             raise ValueError(f"crossval: {m!r} is the reference mode and runs every seed")
         if not set(ss) <= set(seeds) or not ss:
             raise ValueError(f"crossval: the seeds of {m!r} ({list(ss)}) must be a non-empty subset "
@@ -204,16 +210,27 @@ def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: in
             done[(mode, seed, fold)] = _run_task(mode, seed, fold, folds, epochs, stem, extra_args, threads)
             _report(progress, done[(mode, seed, fold)])
     elif todo:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_run_task, mode, seed, fold, folds, epochs, stem, tuple(extra_args),
-                                   threads or 1): (mode, seed, fold)
-                       for (mode, seed, fold), stem in todo}
-            for fut in concurrent.futures.as_completed(futures):
-                done[futures[fut]] = fut.result()
-                _report(progress, done[futures[fut]])
+        _run_pool(todo, jobs, threads or 1, folds, epochs, tuple(extra_args), done, progress)
     return {"modes": list(modes), "seeds": list(seeds), "seeds_for": per_mode, "folds": folds,
             "epochs": epochs, "n_images": int(len(y)), "runs": [done[t] for t in tasks]}
+
+
+def _run_pool(todo, jobs: int, threads: int, folds: int, epochs: int, extra_args: tuple, done: dict,
+              progress) -> None:
+    """The runs of ``todo`` in ``jobs`` worker processes, into ``done``. The first failure (or
+    Ctrl-C) cancels the runs not yet started and is raised once the running ones have stopped."""
+    ctx = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+    try:
+        futures = {pool.submit(_run_task, mode, seed, fold, folds, epochs, stem, extra_args, threads):
+                   (mode, seed, fold) for (mode, seed, fold), stem in todo}
+        for fut in concurrent.futures.as_completed(futures):
+            done[futures[fut]] = fut.result()
+            _report(progress, done[futures[fut]])
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _report(progress, r: dict) -> None:

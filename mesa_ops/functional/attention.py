@@ -8,7 +8,9 @@ PyTorch would pick cuDNN for an additive mask that needs a gradient (Swin's rela
 bias), the memory-efficient kernel runs, since cuDNN's backward gives no mask gradient. For backward it keeps only q, k, v and the output, each packed through the Quantizer
 (head-wise groups, as Mesa stores attention tensors: Pan et al., arXiv 2111.11124, Sec. 3.3), and
 the fp32 softmax statistics (logsumexp, (B, H, N)) of the fused kernels; no N x M attention matrix
-is stored. Backward dequantizes and calls PyTorch's own SDPA backward op; for the math path
+is stored. Backward dequantizes and calls PyTorch's own SDPA backward op, first rerunning the
+fused forward on the dequantized q, k, v where ``mod.reruns_forward()`` (below 8 bits or under
+range_mode 'ema': a logsumexp consistent with the stored q, k; none is stored then); for the math path
 (no output or logsumexp kept) it recomputes the probabilities once from the dequantized q and k
 and takes the gradients by hand (:func:`_math_backward`).
 
