@@ -77,11 +77,12 @@ class SDPA(nn.Module):
             setattr(self, name, Quantizer(quant_groups, tag=f"attention-{name[-1]}", enable=on, bits=bits))
 
     def reruns_forward(self) -> bool:
-        """Whether the fused kernels' backward reruns the forward (see ``consistent_backward``)."""
+        """Whether the fused kernels' backward reruns the forward (see ``consistent_backward``):
+        never when q, k and v are all stored exactly (the forward's logsumexp is theirs)."""
+        stored = [q for q in (self.quant_q, self.quant_k, self.quant_v) if q.enable]
         if self.consistent_backward is not None:
-            return bool(self.consistent_backward)
-        return any(getattr(self, q).enable and (getattr(self, q).range_mode == "ema" or getattr(self, q).bits < 8)
-                   for q in QUANTIZERS[:3])
+            return bool(self.consistent_backward) and bool(stored)
+        return any(q.range_mode == "ema" or q.bits < 8 for q in stored)
 
     def update_quantization_parameter(self, **parameters):
         return update_quantization_parameter(self, **parameters)

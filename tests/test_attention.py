@@ -172,6 +172,9 @@ def test_sdpa_inactive_is_plain_sdpa_and_state_dict():
     sdpa.quant_q.enable = sdpa.quant_k.enable = sdpa.quant_v.enable = False  # only the output: 4 bits
     sdpa.consistent_backward = None
     assert not sdpa.reruns_forward()
+    sdpa.consistent_backward = True  # (q, k, v stored exactly: nothing to be consistent with)
+    assert not sdpa.reruns_forward()
+    sdpa.consistent_backward = None
     sdpa.quant_k.enable = True
     del sdpa.consistent_backward  # (a module pickled whole before the setting): the auto rule
     assert sdpa.reruns_forward()

@@ -48,8 +48,6 @@ def main(argv=None):
         ap.error("--folds must be >= 2 and --epochs >= 1")
     if args.jobs < 1:
         ap.error("--jobs must be >= 1")
-    if args.threads and args.jobs == 1:
-        torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     res = cv.crossval(args.modes, args.seeds, args.folds, args.epochs, out_dir=args.out,

@@ -167,8 +167,7 @@ class _SDPA(torch.autograd.Function):
             lse, extra = None, ()
         else:
             out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
-        ctx.recompute = choice != MATH and mod.reruns_forward() and (
-            mod.quant_q.enable or mod.quant_k.enable or mod.quant_v.enable)
+        ctx.recompute = choice != MATH and mod.reruns_forward()
         # the backward's rerun gives the output and softmax statistics: the forward's are kept
         # only for the next layer (``attn.proj`` adopts the token-layout output copy)
         keep_out = choice != MATH and (merge or not ctx.recompute)
