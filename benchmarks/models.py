@@ -55,6 +55,7 @@ class Config:
     device: str = "cpu"
     num_classes: int = 1000
     threads: int = 0
+    optimizer: str = "sgd"  # or "adamw" (the paper's: one more parameter-sized state)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Record:
     step_time_s: float
     by_type: dict = field(default_factory=dict)
     oom: bool = False
+    dry_run: bool = False
 
 
 def _mode_policy(model: str, mode: str):
@@ -120,6 +122,30 @@ def _rss_bytes() -> int:
         return 0
 
 
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """SGD with momentum (one state per parameter) or AdamW as DeiT trains (lr 5e-4 x batch / 512,
+    weight decay 0.05; two states per parameter)."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=5e-4 * cfg.batch / 512, weight_decay=0.05)
+    raise ValueError(f"optimizer {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+
+
+def dry_run(cfg: Config) -> Record:
+    """``cfg`` checked without its device: the model built with its mode on the CPU and one train
+    step at batch 1 (fp32), so that every (model, mode) is known to build and run; the record has
+    no figures (``dry_run=True``)."""
+    small = Config(**{**asdict(cfg), "device": "cpu", "batch": 1, "precision": "fp32"})
+    _, _, _, step = _setup(small)
+    step()
+    return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, cfg.device, 0, 0,
+                  float("nan"), dry_run=True)
+
+
 def _setup(cfg: Config):
     """(model, checkpoint wrappers, input batch, one train step) of a configuration."""
     if cfg.threads:
@@ -128,7 +154,7 @@ def _setup(cfg: Config):
     dev = cfg.device
     amp = PRECISIONS[cfg.precision]
     model, wrapped = build(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    opt = make_optimizer(model, cfg)
     x = torch.randn(cfg.batch, 3, cfg.input_size, cfg.input_size, device=dev)
     y = torch.randint(0, cfg.num_classes, (cfg.batch,), device=dev)
     loss_fn = nn.CrossEntropyLoss()

@@ -24,6 +24,7 @@ import glob
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -109,6 +110,31 @@ def nvidia_include_dirs() -> list[str]:
     return sorted(set(found))
 
 
+def missing_headers_dir(home: str, build_dir: str, wheel_dirs: list[str] | None = None) -> list[str]:
+    """A folder in ``build_dir`` linking the headers of the nvidia-* wheels (cuBLAS, cuSPARSE, ...,
+    which torch's CUDA headers include) that the toolkit at ``home`` lacks, as a one-element list
+    (empty when it lacks none). The toolkit's own headers (its runtime, cccl) are never shadowed:
+    a wheel's runtime headers of a newer minor (torch 2.15's CUDA 13.2 beside nvcc 13.0) stop
+    nvcc with "CUDA compiler and CUDA toolkit headers are incompatible"."""
+    have = set(os.listdir(os.path.join(home, "include"))) if os.path.isdir(os.path.join(home, "include")) else set()
+    shim = os.path.join(build_dir, "nvidia_include")
+    links = {}
+    for d in nvidia_include_dirs() if wheel_dirs is None else wheel_dirs:
+        for name in sorted(os.listdir(d)):
+            if name not in have and name not in links:
+                links[name] = os.path.join(d, name)
+    if not links:
+        return []
+    os.makedirs(shim, exist_ok=True)
+    for name, target in links.items():
+        dest = os.path.join(shim, name)
+        if os.path.islink(dest) and os.readlink(dest) != target:
+            os.remove(dest)
+        if not os.path.lexists(dest):
+            os.symlink(target, dest)
+    return [shim]
+
+
 def _has_cudart(home: str) -> bool:
     return any(glob.glob(os.path.join(home, sub, "libcudart.so*"))
                for sub in ("lib64", "lib", os.path.join("targets", "*", "lib")))
@@ -132,6 +158,34 @@ def cuda_home(environ=None, which=shutil.which, defaults=("/usr/local/cuda",)) -
     for home in candidates:
         if os.path.exists(os.path.join(home, "bin", "nvcc")) and _has_cudart(home):
             return home
+    return None
+
+
+def nvcc_version(home: str) -> tuple[int, int] | None:
+    """(major, minor) that ``home``/bin/nvcc reports ("release 13.0"), or None."""
+    try:
+        out = subprocess.run([os.path.join(home, "bin", "nvcc"), "--version"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def toolkit_mismatch(home: str, torch_cuda: str | None = None, version=nvcc_version) -> str | None:
+    """Why the toolkit at ``home`` cannot build against this torch, or None: a CPU-only torch, or
+    nvcc of another CUDA major than the one torch was built with (torch 2.8's PyPI wheel is
+    CUDA 12.8: nvcc 13 rejects its CUDA 12 runtime headers, "CUDA compiler and CUDA toolkit
+    headers are incompatible")."""
+    torch_cuda = torch.version.cuda if torch_cuda is None else torch_cuda
+    if not torch_cuda:
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    have = version(home)
+    want = int(torch_cuda.split(".")[0])
+    if have is not None and have[0] != want:
+        return (f"nvcc {have[0]}.{have[1]} (in {home}) cannot build against torch {torch.__version__}, "
+                f"which is built for CUDA {torch_cuda}: use a CUDA {want}.x toolkit (CUDA_HOME) or a "
+                f"torch built for CUDA {have[0]}")
     return None
 
 
@@ -204,8 +258,11 @@ def build_extension(kind: str = "cpu", verbose: bool = False, build_directory: s
         if home is None:
             raise BackendUnavailable("mesa_ops: no CUDA toolkit found (set CUDA_HOME to the folder "
                                      "holding bin/nvcc and the CUDA runtime library)")
+        mismatch = toolkit_mismatch(home)
+        if mismatch:
+            raise BackendUnavailable(f"mesa_ops: {mismatch}")
         kwargs["extra_cuda_cflags"] = spec["cuda_flags"]
-        kwargs["extra_include_paths"] += nvidia_include_dirs()
+        kwargs["extra_include_paths"] += missing_headers_dir(home, build_dir)
         saved = cpp_extension.CUDA_HOME
         cpp_extension.CUDA_HOME = home  # torch's own guess, used by load(), for this build only
         try:

@@ -19,6 +19,7 @@ import torch
 from torch.autograd import function as _autograd_function
 
 from . import nonfinite, ops, reference
+from .compat import current_graph_task_id
 from .backend import get_backend, kernel_for
 
 # compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
@@ -27,7 +28,7 @@ compiling = torch.compiler.is_compiling
 
 
 # the id of the backward pass the autograd engine runs on this thread, -1 outside one
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_graph_task_id = current_graph_task_id
 
 
 class QTensor(NamedTuple):
@@ -404,48 +405,68 @@ class Share:
 
 
 def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer=None,
-                 item: int = 0) -> None:
+                 item: int = 0) -> torch.Tensor:
     """Record on ``t`` that ``qt`` is a packed copy of it (rounded stochastically or not), so a
     later Mesa layer that needs the same tensor for backward (attn@v after softmax) saves these
-    bytes instead of a second copy. ``producer``: the autograd node (ctx) whose saved item
-    ``item`` restores to the same tensor as ``qt``; the two backwards then restore it once."""
+    bytes instead of a second copy; returns the tensor to hand on: ``t``, or while torch.compile
+    traces a view of it carrying the record (dynamo of torch <= 2.8 sets no attribute on a custom
+    autograd Function's output; a view is free in the compiled graph). ``producer``: the autograd
+    node (ctx) whose saved item ``item`` restores to the same tensor as ``qt``; the two backwards
+    then restore it once."""
+    if compiling():
+        t = t.view_as(t)
+        t._mesa_saved = (qt, None, bool(stochastic), None)
+        return t
     share = None
-    if producer is not None and not compiling():
+    if producer is not None:
         share = Share()
         producer.mesa_share = (item, share, None)
-    t._mesa_saved = (qt, None if compiling() else t._version, bool(stochastic), share)
+    t._mesa_saved = (qt, t._version, bool(stochastic), share)
+    return t
+
+
+def saved_record(t: torch.Tensor):
+    """What :func:`attach_saved` recorded on ``t`` (None if nothing): read by a layer's Python
+    wrapper and passed into its autograd Function as an argument, since inside the Function's
+    forward torch.compile (dynamo of torch 2.8) sees a fresh tensor without the attribute."""
+    return getattr(t, "_mesa_saved", None)
 
 
 def adopt_saved(ctx, t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
-                item: int = 0, grad_input: int = 0):
+                item: int = 0, grad_input: int = 0, rec=None):
     """:func:`find_saved`, and when the copy is one its producer's backward restores too, record
     on ``ctx`` (which saves it as item ``item``) that its backward hands the restored tensor on,
-    when the gradient of its input ``grad_input`` flows back to that producer."""
-    qt = find_saved(t, quant, dtype, derived)
-    if qt is not None and t._mesa_saved[3] is not None:
-        ctx.mesa_share = (item, t._mesa_saved[3], grad_input)
+    when the gradient of its input ``grad_input`` flows back to that producer. ``rec``: ``t``'s
+    :func:`saved_record` (read from ``t`` when None)."""
+    rec = saved_record(t) if rec is None else rec
+    qt = find_saved(t, quant, dtype, derived, rec=rec)
+    if qt is not None and rec[3] is not None:
+        ctx.mesa_share = (item, rec[3], grad_input)
     return qt
 
 
-def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None,
-               derived: bool = False) -> QTensor | AffineQTensor | MappedQTensor | None:
+def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
+               rec=None) -> QTensor | AffineQTensor | MappedQTensor | None:
     """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
     ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
     ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared).
     With ``derived`` a copy that restores ``t`` from another layer's packed tensor is also taken
     when bits and rounding match (a LayerNorm's x-hat with its weight and bias:
     :class:`AffineQTensor`; a GELU's input through GELU: :class:`MappedQTensor`): its groups
-    are that layer's, and it restores in that layer's compute dtype (the caller casts)."""
-    rec = getattr(t, "_mesa_saved", None)
+    are that layer's, and it restores in that layer's compute dtype (the caller casts). ``rec``:
+    ``t``'s :func:`saved_record` (read from ``t`` when None)."""
+    rec = saved_record(t) if rec is None else rec
     if rec is None:
         return None
     qt, version, stochastic = rec[:3]
-    if (version is not None and version != t._version) or qt.shape != t.shape:
+    derived_copy = isinstance(qt, (AffineQTensor, MappedQTensor))
+    base = qt.q if derived_copy else qt  # (.q: dynamo of torch 2.8 reads no property of a NamedTuple)
+    if (version is not None and version != t._version) or base.shape != t.shape:
         return None
-    if isinstance(qt, (AffineQTensor, MappedQTensor)):
+    if derived_copy:
         if not derived or isinstance(quant, int):
             return None
-        return qt if qt.bits == quant.bits and stochastic == bool(quant.stochastic) else None
+        return qt if base.bits == quant.bits and stochastic == bool(quant.stochastic) else None
     if dtype is not None and qt.dtype != dtype:
         return None
     if isinstance(quant, int):

@@ -40,6 +40,7 @@ import weakref
 
 from . import ops
 from .amp import WIDE_DTYPES
+from .compat import current_autograd_node
 from .backend import get_backend, kernel_for
 from .reference import RANGE_MODES
 from .packed import CHANNELS_LAST, QTensor, _memory_view, compiling, in_backward
@@ -310,7 +311,8 @@ class QuantMixin:
         out.copy_(head)
         if not compiling():
             out._mesa_head = True  # (the audit counts it with the packed copy it belongs to)
-        return q._replace(head=out)
+        # (field by field: dynamo of torch 2.8 traces neither q._replace nor QTensor(*q[:-1], ...))
+        return QTensor(q.packed, q.step, q.shift, q.shape, q.dtype, q.bits, q.groups, q.inner, q.transposed, out)
 
     def _layout(self, x: torch.Tensor, copy: bool):
         """(tensor to quantize, its layout code, G, inner): ``x`` itself or the memory-order view
@@ -426,7 +428,7 @@ class QuantMixin:
         return out
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the autograd node the engine runs on this thread (None outside a backward)
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_current_node = current_autograd_node
 # the backward of torch.utils.checkpoint's reentrant checkpoint (use_reentrant=True; also timm's
 # checkpoint_seq and torch.distributed's checkpoint_wrapper in REENTRANT mode): it recomputes
 # the function (whose forward ran under no_grad) and then runs a nested backward through it

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import inspect
 import logging
 import os
 import warnings
@@ -154,11 +155,16 @@ def create_model(name: str, pretrained=None, ms_policy=None, checkpoint_kwargs: 
 
     filter_fn = partial(pretrained_filter_fn, skip=tuple(ckpt.get("skip", ())), verbose=ckpt.get("verbose"))
     # checkpoints of training scripts hold their argparse.Namespace (as the original Mesa code's do)
+    if cache_dir is not None:
+        if "cache_dir" not in inspect.signature(build_model_with_cfg).parameters:
+            import timm
+            raise TypeError(f"create_model(cache_dir=...): timm {timm.__version__} has no cache_dir "
+                            "argument (timm >= 1.0.14 has)")
+        kwargs["cache_dir"] = cache_dir
     with torch.serialization.safe_globals([argparse.Namespace]):
         model = build_model_with_cfg(build, TIMM_PREFIX + entry.name, bool(pretrained),
                                      pretrained_cfg=pretrained_cfg, pretrained_cfg_overlay=overlay,
-                                     pretrained_filter_fn=filter_fn, cache_dir=cache_dir,
-                                     feature_cfg=feature_cfg, **kwargs)
+                                     pretrained_filter_fn=filter_fn, feature_cfg=feature_cfg, **kwargs)
     _reflect_geometry(model, {k: v for k, v in geometry.items() if k not in overlay})
     return model
 

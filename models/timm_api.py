@@ -27,7 +27,7 @@ import importlib
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
-from timm.layers import register_notrace_function, register_notrace_module
+from timm.models import register_notrace_function, register_notrace_module  # (timm.layers from 1.0.17 on)
 from timm.models._features import feature_take_indices
 
 from mesa_ops.layers import MESA_LAYERS

@@ -25,8 +25,12 @@ the deferred non-finite check) run on the CPU machines we test on. Three pieces 
 from __future__ import annotations
 
 import contextlib
+import functools
+import subprocess
+import sys
 
 import torch
+import torch._subclasses.fake_tensor as fake_tensor_mod
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -50,11 +54,19 @@ def fake_cuda():
         return out
 
     fn_cls.apply = classmethod(apply)
+    # A new fake CUDA tensor "initialises the GPU context" (a real torch.empty on the device) where
+    # its torch thinks a GPU is there: torch <= 2.13 asks torch.cuda.is_available(), which
+    # cuda_available() below reports True. There is no GPU to initialise here.
+    init_ctx = getattr(fake_tensor_mod, "init_gpu_context", None)
+    if init_ctx is not None:
+        fake_tensor_mod.init_gpu_context = lambda device: None
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
     finally:
         fn_cls.apply = original
+        if init_ctx is not None:
+            fake_tensor_mod.init_gpu_context = init_ctx
 
 
 @contextlib.contextmanager
@@ -77,9 +89,33 @@ def to_fake_cuda(module: torch.nn.Module) -> torch.nn.Module:
     old = torch.__future__.get_overwrite_module_params_on_conversion()
     torch.__future__.set_overwrite_module_params_on_conversion(True)
     try:
-        return module.to("cuda")
+        return module.to("cuda:0")  # (torch <= 2.8 asks the driver which device a bare "cuda" is)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(old)
+
+
+_PROBE = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+with FakeTensorMode():
+    x = torch.ones(2, device="cuda:0", requires_grad=True)
+    (x * 2).sum()
+print("ok")
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def autograd_unsupported() -> str | None:
+    """None where this torch records autograd graphs of fake CUDA tensors, else why not. Up to
+    torch 2.8 (at least) a leaf's gradient accumulator asks the CUDA driver for the current stream
+    (``InputMetadata``) and the process aborts without a GPU: probed in a child process."""
+    if torch.cuda.is_available():
+        return None
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
+        return None
+    return (f"torch {torch.__version__} cannot record autograd on fake CUDA tensors without a GPU "
+            f"(its InputMetadata asks the driver for a stream; the probe exited {proc.returncode})")
 
 
 def _topological(root) -> list:

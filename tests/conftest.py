@@ -6,7 +6,10 @@
   rest honour a value set by the caller, e.g. MESA_BACKEND=torch to run on the reference);
 * ``cpp_backend`` / ``ref_backend`` / ``cuda_backend`` give the three backends of
   :mod:`mesa_ops.backend` (the C++ extension is JIT-built on first use, ~30 s, then cached);
-* tests marked ``@pytest.mark.cuda`` are skipped, with the reason, when no GPU is visible.
+* tests marked ``@pytest.mark.cuda`` are skipped, with the reason, when no GPU is visible;
+* the tests of :data:`COMPAT_FILES` are marked ``compat``: the subset scripts/compat.sh runs at
+  other PyTorch releases (the floor in CI): the C++ and nvcc builds, quantizer, layers, attention
+  (fake CUDA and the CUDA emulation included), models, torch.compile, timm's contract, training.
 """
 from __future__ import annotations
 
@@ -18,7 +21,19 @@ import torch
 NO_CUDA_REASON = "needs a CUDA device (torch.cuda.is_available() is False)"
 
 
+COMPAT_FILES = frozenset({
+    "test_kernels.py", "test_simd_builds.py", "test_cuda_emulation.py", "test_core_correctness.py",
+    "test_layers.py", "test_amp.py", "test_attention.py", "test_fake_cuda.py", "test_models.py",
+    "test_compile.py", "test_timm_contract.py", "test_train.py", "test_checkpoint.py", "test_cckpt.py",
+    "test_compress.py", "test_memory.py", "test_policy.py", "test_prefix_tokens.py",
+    "test_shared_copies.py", "test_silent_errors.py", "test_workspace.py", "test_gpu_check.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in COMPAT_FILES:
+            item.add_marker(pytest.mark.compat)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason=NO_CUDA_REASON)

@@ -54,32 +54,40 @@ def test_table_ratios_and_plot(tmp_path):
     table = B.markdown_table(recs, {("m", "exact"): 10, ("m", "mesa8"): 35})
     assert "| m | mesa8 | fp32 | 4 | 0.0 | 0.250 |" in table
     assert "| 35 | 3.50 |" in table
+    pytest.importorskip("matplotlib")  # (last: the table is checked without it; the plot extra)
     out = tmp_path / "p.png"
     B.plot(recs, str(out))
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_paper_table_pairs_exact_and_mesa8_with_the_paper_column():
+    """Memory: each mode's peak MiB, Mesa / exact for the fused and the explicit attention, the
+    paper's figures at batch 128 fp16; speed: img/s per mode. Missing modes are '-', OOM named."""
     from benchmarks.gpu import PAPER_MB, paper_table
 
     def rec(model, mode, batch, prec, mib, t, oom=False):
         return dict(model=model, mode=mode, batch=batch, precision=prec, peak_bytes=int(mib * 2**20),
                     step_time_s=t, oom=oom)
     rows = [rec("deit_tiny_patch16_224", "exact", 128, "fp16", 4000, 0.5),
+            rec("deit_tiny_patch16_224", "exact-explicit", 128, "fp16", 5000, 0.64),
             rec("deit_tiny_patch16_224", "mesa8", 128, "fp16", 2000, 0.625),
+            rec("deit_tiny_patch16_224", "mesa8-explicit", 128, "fp16", 2250, 0.8),
             rec("deit_tiny_patch16_224", "exact", 64, "bf16", 2000, 0.25),
             rec("deit_tiny_patch16_224", "mesa8", 64, "bf16", 0, float("nan"), oom=True),
-            rec("pvt_tiny", "exact", 128, "fp16", 100, 0.1)]  # (no mesa8 row: left out)
-    lines = paper_table(rows).splitlines()
-    assert len(lines) == 4
-    row128 = next(line for line in lines if "| 128 |" in line)
-    cells = [c.strip() for c in row128.strip("|").split("|")]
-    assert cells[3:6] == ["4000", "2000", "0.500"]
-    assert cells[6:9] == [str(PAPER_MB["deit_tiny_patch16_224"][0]),
-                          str(PAPER_MB["deit_tiny_patch16_224"][1]), "0.445"]
-    assert cells[9:] == ["256", "205", "0.800"]
-    row64 = next(line for line in lines if "| 64 |" in line)
-    assert "OOM" in row64 and row64.count("| - |") >= 3
+            rec("pvt_tiny", "mesa8", 128, "fp16", 100, 0.1)]  # (no exact row: left out)
+    mem, speed = paper_table(rows).split("\n\n")
+    assert len(mem.splitlines()) == 4 and len(speed.splitlines()) == 4
+
+    def cells(table, batch):
+        line = next(x for x in table.splitlines() if f"| {batch} |" in x)
+        return [c.strip() for c in line.strip("|").split("|")]
+    c = cells(mem, 128)
+    assert c[3:9] == ["4000", "5000", "2000", "2250", "0.500", "0.450"]
+    assert c[9:] == [str(PAPER_MB["deit_tiny_patch16_224"][0]), str(PAPER_MB["deit_tiny_patch16_224"][1]),
+                     "0.445"]
+    assert cells(speed, 128)[3:] == ["256", "200", "205", "160", "0.800", "0.800"]
+    c = cells(mem, 64)
+    assert c[3:9] == ["2000", "-", "OOM", "-", "-", "-"] and c[9:] == ["-", "-", "-"]
 
 
 def test_sdpa_backward_benchmark_bytes_and_table():

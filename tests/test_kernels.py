@@ -523,13 +523,22 @@ CUDA_OPS = ("quantize_cuda", "dequantize_cuda", "dequantize_out_cuda", "lut_appl
             "generator_fingerprint_cuda", "quantize_cpu")
 
 
+def _toolkit_mismatch() -> str | None:
+    nvcc = _nvcc()
+    return None if nvcc is None else backend.toolkit_mismatch(os.path.dirname(os.path.dirname(nvcc)))
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found (neither /usr/local/cuda/bin/nvcc "
                     "nor on PATH): cannot compile the CUDA extension")
 def test_cuda_extension_compiles_without_gpu(tmp_path):
     """nvcc builds cuda/quant_cuda.cu for sm_90 here (no GPU needed) with CUDA_HOME left unset,
     as a user's environment has it (here the nvcc on PATH is a wrapper script in /usr/local/bin,
     from which torch alone guesses CUDA_HOME=/usr/local and fails to link -lcudart); the module
-    imports and exposes every CUDA op. Takes ~1-3 min (a fresh build directory: no cache)."""
+    imports and exposes every CUDA op. Takes ~1-3 min (a fresh build directory: no cache).
+    Skipped where the toolkit's CUDA major is not the one torch was built with (torch 2.8's
+    CUDA 12.8 wheel beside nvcc 13): that case is test_toolkit_mismatch_is_named's."""
+    if _toolkit_mismatch():
+        pytest.skip(_toolkit_mismatch())
     env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
     for k in ("MESA_BACKEND", "CUDA_HOME", "CUDA_PATH"):
         env.pop(k, None)
@@ -628,3 +637,33 @@ def test_failed_cuda_build_warns_once_then_reference(monkeypatch):
     finally:
         backend._extension.cache_clear()
         backend._extension_backend.cache_clear()
+
+
+def test_toolkit_mismatch_is_named(tmp_path):
+    """nvcc of another CUDA major than torch's: the build is refused up front with what to do
+    (not nvcc's "CUDA compiler and CUDA toolkit headers are incompatible" deep in a ninja log)."""
+    why = backend.toolkit_mismatch("/opt/cuda", "12.8", version=lambda home: (13, 0))
+    assert why.startswith("nvcc 13.0 (in /opt/cuda) cannot build against torch") and "CUDA 12.x" in why
+    assert backend.toolkit_mismatch("/opt/cuda", "13.0", version=lambda home: (13, 0)) is None
+    assert backend.toolkit_mismatch("/opt/cuda", "13.0", version=lambda home: None) is None
+    assert "built without CUDA" in backend.toolkit_mismatch("/opt/cuda", "", version=lambda home: (13, 0))
+    kit = tmp_path / "kit" / "bin"
+    kit.mkdir(parents=True)
+    (kit / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    (kit / "nvcc").chmod(0o755)
+    assert backend.nvcc_version(str(tmp_path / "kit")) == (12, 4)
+
+
+def test_wheel_headers_never_shadow_the_toolkits(tmp_path):
+    """The nvidia-* wheels' headers the toolkit lacks are linked in; those it has (its runtime,
+    cccl: they must match nvcc) are not."""
+    kit, wheel = tmp_path / "kit", tmp_path / "wheel"
+    (kit / "include" / "cccl").mkdir(parents=True)
+    (kit / "include" / "cuda_runtime.h").write_text("// 13.0")
+    (wheel / "cccl").mkdir(parents=True)
+    for name in ("cuda_runtime.h", "cublas_v2.h", "cusparse.h"):
+        (wheel / name).write_text("// 13.2")
+    (dirs,) = backend.missing_headers_dir(str(kit), str(tmp_path / "build"), [str(wheel)])
+    assert sorted(os.listdir(dirs)) == ["cublas_v2.h", "cusparse.h"]
+    assert os.readlink(os.path.join(dirs, "cublas_v2.h")) == str(wheel / "cublas_v2.h")
+    assert backend.missing_headers_dir(str(kit), str(tmp_path / "b2"), [str(kit / "include")]) == []

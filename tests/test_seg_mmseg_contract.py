@@ -8,6 +8,12 @@ with Mesa off and on ('mesa8') and a backward added; then ``with_cp`` (counting 
 from __future__ import annotations
 
 import pytest
+
+# the segmentation stack is optional (pip install -e ".[seg]"): without it these tests skip
+for _mod in ("mmengine", "mmcv", "mmseg"):
+    pytest.importorskip(_mod, reason=f"{_mod} is not installed (the optional segmentation stack)",
+                        exc_type=ImportError)
+
 import torch
 from mmengine.registry import init_default_scope
 

@@ -3,11 +3,17 @@ backbones compute what the classification models compute, Mesa leaves the forwar
 cuts the saved activations of a segmentation train step, classification checkpoints load."""
 from __future__ import annotations
 
+import pytest
+
+# the segmentation stack is optional (pip install -e ".[seg]"): without it these tests skip
+for _mod in ("mmengine", "mmcv", "mmseg"):
+    pytest.importorskip(_mod, reason=f"{_mod} is not installed (the optional segmentation stack)",
+                        exc_type=ImportError)
+
 import glob
 import os
 import sys
 
-import pytest
 import torch
 from mmengine.config import Config
 from mmengine.model import revert_sync_batchnorm

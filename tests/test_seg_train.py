@@ -4,13 +4,19 @@ checkpoint, a resumed run that continues from it (weights-only torch.load), the 
 and the saved activations of a segmentation train step, Mesa on vs off."""
 from __future__ import annotations
 
+import pytest
+
+# the segmentation stack is optional (pip install -e ".[seg]"): without it these tests skip
+for _mod in ("mmengine", "mmcv", "mmseg"):
+    pytest.importorskip(_mod, reason=f"{_mod} is not installed (the optional segmentation stack)",
+                        exc_type=ImportError)
+
 import glob
 import os
 import subprocess
 import sys
 import uuid
 
-import pytest
 import torch
 
 import models.seg  # noqa: F401

@@ -3,6 +3,9 @@ checkpointing, correlated rounding streams, the workspace after an exception, sh
 under compile and after a ``.data`` change, prefix tokens)."""
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -77,6 +80,20 @@ def test_reentrant_checkpoint_trains_on_the_forward_ranges(name):
     assert e_re <= 1.5 * e_nonre + 1e-3, (e_re, e_nonre)
 
 
+def _timm_checkpoint_seq(seq, x, reentrant: bool):
+    """timm's checkpoint_seq; timm < 1.0.13 has no use_reentrant (it runs torch's default, the
+    reentrant checkpoint): the non-reentrant case is then torch's own, block by block."""
+    if "use_reentrant" in inspect.signature(checkpoint_seq).parameters:
+        return checkpoint_seq(seq, x, use_reentrant=reentrant)
+    if reentrant:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch asks for use_reentrant to be explicit)
+            return checkpoint_seq(seq, x)
+    for block in seq:
+        x = tckpt.checkpoint(block, x, use_reentrant=False)
+    return x
+
+
 def test_reentrant_checkpoint_through_timm_checkpoint_seq():
     torch.manual_seed(0)
     ref = nn.Sequential(*[DeiTBlock(48, 3, qkv_bias=True) for _ in range(3)]).train()
@@ -97,7 +114,7 @@ def test_reentrant_checkpoint_through_timm_checkpoint_seq():
             if mode == "exact":
                 y = seq(x)
             else:
-                y = checkpoint_seq(seq, x, use_reentrant=mode == "reentrant")
+                y = _timm_checkpoint_seq(seq, x, reentrant=mode == "reentrant")
             y.pow(2).mean().backward()
         grads[mode] = _flat_grads(seq)
         if mode == "reentrant":

@@ -32,7 +32,12 @@ import pytest
 import timm
 import torch
 from timm.models import FeatureInfo, group_parameters
-from timm.optim import create_optimizer_v2, param_groups_layer_decay
+from timm.optim import create_optimizer_v2
+
+try:
+    from timm.optim import param_groups_layer_decay
+except ImportError:  # timm < 1.0.12 (the floor is 1.0.3)
+    from timm.optim.optim_factory import param_groups_layer_decay
 
 import mesa_ops as ms
 import models

@@ -36,7 +36,13 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-gb", type=float, default=0.0,
                     help="also search the largest batch whose peak memory fits this budget")
     ap.add_argument("--max-batch", type=int, default=2048)
+    ap.add_argument("--optimizer", choices=B.OPTIMIZERS, default="sgd",
+                    help="sgd (momentum) or adamw (the paper's, as scripts/cuda_check.sh measures)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build every (model, mode) and step it once at batch 1 on the CPU; write "
+                         "the output files with no figures (scripts/cuda_check.sh --rehearse)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--markdown", default="", help="write the printed table(s) to this file too")
     ap.add_argument("--csv", default="")
     ap.add_argument("--plot", default="", help="PNG path for memory/time bar charts")
     ap.add_argument("--in-process", action="store_true",
@@ -53,13 +59,16 @@ def main(argv=None) -> None:
     bad = [m for m in modes if m not in B.MODES]
     if bad:
         ap.error(f"unknown mode(s) {bad}; choose from {', '.join(B.MODES)}")
-    if args.in_process and not args.device.startswith("cuda"):
+    if args.in_process and not args.device.startswith("cuda") and not args.dry_run:
         ap.error("--in-process measures CUDA memory only; on CPU each configuration needs its own "
                  "process (peak RSS)")
-    configs = [B.Config(m, md, bs, args.input_size, prec, args.steps, args.warmup, args.device)
+    configs = [B.Config(m, md, bs, args.input_size, prec, args.steps, args.warmup, args.device,
+                        optimizer=args.optimizer)
                for prec in args.precision for bs in args.batch_size for m in args.model for md in modes]
     records, budgets = [], {}
-    if args.in_process:
+    if args.dry_run:
+        records = [B.dry_run(cfg) for cfg in configs]
+    elif args.in_process:
         records = [B.measure_fresh(cfg) for cfg in tqdm(configs, desc="configurations", file=sys.stderr,
                                                          disable=not sys.stderr.isatty())]
     elif args.device == "cpu" and not args.sequential:
@@ -68,18 +77,24 @@ def main(argv=None) -> None:
     else:
         records = [B.run_in_worker(cfg) for cfg in tqdm(configs, desc="configurations", file=sys.stderr)]
     for cfg in configs:
-        if args.budget_gb:
+        if args.budget_gb and not args.dry_run:
             budgets[(cfg.model, cfg.mode)] = B.largest_batch(cfg, int(args.budget_gb * 2**30),
                                                              args.max_batch)
-    print(f"# {platform.processor() or platform.machine()} {args.device}, torch {torch.__version__}, "
-          f"batch {' '.join(map(str, args.batch_size))}, {args.input_size}px, "
-          f"{' '.join(args.precision)}, median of {args.steps} steps"
-          + (f", budget {args.budget_gb} GB" if args.budget_gb else ""))
-    print(B.markdown_table(records, budgets or None))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") and not args.dry_run else \
+        (platform.processor() or platform.machine())
+    head = (f"# {device} {args.device}, torch {torch.__version__}, batch "
+            f"{' '.join(map(str, args.batch_size))}, {args.input_size}px, {' '.join(args.precision)}, "
+            f"{args.optimizer}, median of {args.steps} steps after {args.warmup}"
+            + (f", budget {args.budget_gb} GB" if args.budget_gb else "")
+            + (" (dry run: built and stepped once on the CPU at batch 1; no figures)" if args.dry_run else ""))
+    text = [head, B.markdown_table(records, budgets or None)]
     rows = [dict(asdict(r), largest_batch=budgets.get((r.model, r.mode))) for r in records]
     if args.paper:
-        print()
-        print(paper_table(rows))
+        text += ["", paper_table(rows)]
+    print("\n".join(text))
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write("\n".join(text) + "\n")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rows, f, indent=1)

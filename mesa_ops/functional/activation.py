@@ -62,7 +62,7 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     if packed:
         g, inner = quant.groups_for(y.shape)
         qx = QTensor.of(packed, y.shape, cdt, quant.bits, g, inner, False)
-        attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
+        y = attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
     return y
 
 
@@ -99,8 +99,8 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
         y, *packed = _Softmax.apply(x, dim, quant, cdt, amp16)
     if packed:
         g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
-        attach_saved(y, QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False),
-                     quant.stochastic)
+        y = attach_saved(y, QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False),
+                         quant.stochastic)
     return y
 
 

@@ -323,11 +323,11 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         if packed:
             g, inner = mod.quant_o.groups_for(y.shape)
             qo = QTensor.of(packed, y.shape, cdt, mod.quant_o.bits, g, inner, False)
-            attach_saved(y, qo, mod.quant_o.stochastic)
+            y = attach_saved(y, qo, mod.quant_o.stochastic)
         return y
     node = y.grad_fn
     qo = getattr(node, "mesa_qo", None)
     if qo is not None:
-        attach_saved(y, qo, mod.quant_o.stochastic, producer=node, item=3)  # (saved item 3: out)
+        y = attach_saved(y, qo, mod.quant_o.stochastic, producer=node, item=3)  # (saved item 3: out)
         node.mesa_qo = None
     return y

@@ -5,18 +5,19 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import WIDE_DTYPES, as_dtype, autocast_plan, no_autocast
-from ..packed import adopt_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import (adopt_saved, once_differentiable, release, save_for_backward, saved_record,
+                      saved_tensors)
 
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quant, cdt, amp16):
+    def forward(ctx, x, weight, bias, quant, cdt, amp16, rec):
         xc = as_dtype(x, cdt)
         y = F.linear(xc, as_dtype(weight, cdt), as_dtype(bias, cdt))
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
-        qx = adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True)
+        qx = None if rec is None else adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True, rec=rec)
         if qx is None:
             qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx, weight)
@@ -57,7 +58,7 @@ class _Linear(torch.autograd.Function):
         if ctx.has_bias and need[2]:
             gb = as_dtype(gsum, ctx.b_dtype)
         release(xh)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def _colsum(g2):
@@ -88,7 +89,8 @@ _THIN_OUT = 64  # output features below which _gw takes the (x^T g)^T orientatio
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:
     """y = x W^T + b for x (..., in) -> (..., out); stores x at ``quant.bits`` bits."""
     plan = autocast_plan("linear", x)
+    rec = saved_record(x)  # (the packed copy another layer attached to x)
     if plan is None:
-        return _Linear.apply(x, weight, bias, quant, x.dtype, False)
+        return _Linear.apply(x, weight, bias, quant, x.dtype, False, rec)
     with no_autocast(x):
-        return _Linear.apply(x, weight, bias, quant, *plan)
+        return _Linear.apply(x, weight, bias, quant, *plan, rec)

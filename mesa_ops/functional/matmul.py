@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..packed import find_saved, once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import (find_saved, once_differentiable, release, save_for_backward, saved_record,
+                      saved_tensors)
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:
@@ -19,12 +20,12 @@ def _exact(t: torch.Tensor) -> torch.Tensor:
 
 class _MatMul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, quant1, quant2, cdt, amp16):
+    def forward(ctx, a, b, quant1, quant2, cdt, amp16, rec):
         ac, bc = a.to(cdt), b.to(cdt)
         y = torch.matmul(ac, bc)
         # a softmax output already packed the same way is stored once -- also when quant1 is off
         # (a policy enabling only softmax-1): an exact copy besides it would store more than exact
-        qa = find_saved(a, quant1)  # (backward casts it to cdt)
+        qa = None if rec is None else find_saved(a, quant1, rec=rec)  # (backward casts it to cdt)
         if qa is None:
             qa = quant1.quantize(ac, amp16) if quant1.enable else _exact(ac)
         save_for_backward(ctx, qa, quant2.quantize(bc, amp16) if quant2.enable else _exact(bc))
@@ -43,7 +44,7 @@ class _MatMul(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gb = ah.to(ctx.cdt).transpose(-2, -1).matmul(g).sum_to_size(ctx.shapes[1]).to(ctx.dtypes[1])
         release(ah, bh)
-        return ga, gb, None, None, None, None
+        return ga, gb, None, None, None, None, None
 
 
 def matmul_fn(a: torch.Tensor, b: torch.Tensor, quant1, quant2) -> torch.Tensor:
@@ -54,4 +55,4 @@ def matmul_fn(a: torch.Tensor, b: torch.Tensor, quant1, quant2) -> torch.Tensor:
     cdt = compute_dtype("matmul", a)
     amp16 = fp16_autocast(a)  # read before autocast is switched off
     with no_autocast(a):
-        return _MatMul.apply(a, b, quant1, quant2, cdt, amp16)
+        return _MatMul.apply(a, b, quant1, quant2, cdt, amp16, saved_record(a))

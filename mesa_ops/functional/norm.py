@@ -107,8 +107,8 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
         qdt = cdt if cdt in _WIDE else torch.float32
         qx = QTensor.of(packed, y.shape, qdt, quant.bits, g, inner, False)
         # (its backward restores x-hat too: once for both, outside torch.compile)
-        attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
-                     producer=None if compiling() else y.grad_fn)
+        y = attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
+                         producer=None if compiling() else y.grad_fn)
     return y
 
 
