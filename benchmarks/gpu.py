@@ -39,7 +39,7 @@ def _ips(r) -> float:
 
 
 def _cell(r, fn, fmt="{:.0f}") -> str:
-    if r is None:
+    if r is None or r.get("dry_run"):
         return "-"
     if r.get("oom"):
         return "OOM"

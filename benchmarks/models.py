@@ -317,7 +317,7 @@ def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
         x = explicit.get((r.model, r.precision, r.batch))
         row = [r.model, r.mode, r.precision, str(r.batch), f"{r.saved_bytes / 2**20:.1f}",
                ratio(r.saved_bytes, e.saved_bytes if e else 0),
-               *([f"{r.saved_bytes / x.saved_bytes:.3f}" if x else "-"] if explicit else []),
+               *([f"{r.saved_bytes / x.saved_bytes:.3f}" if x and x.saved_bytes else "-"] if explicit else []),
                f"{r.peak_bytes / 2**20:.0f}",
                ratio(r.peak_bytes, e.peak_bytes if e else 0), f"{r.step_time_s:.3f}",
                ratio(r.step_time_s, e.step_time_s if e else 0)]

@@ -13,10 +13,11 @@ from torchvision import transforms
 
 
 def _posterize(img, bits_to_keep, **_):
-    """timm's ``posterize`` as it behaved with Pillow < 11: keeping 0 bits gives a black image.
+    """timm's ``posterize`` as older Pillows behave: keeping 0 bits gives a black image.
 
     DeiT's ``rand-m9-mstd0.5-inc1`` draws magnitudes up to 10, where ``PosterizeIncreasing`` keeps
-    0 bits; Pillow >= 11 raises ``ValueError`` for that, which would stop a training run at random."""
+    0 bits; Pillow 13 raises ``ValueError`` for that (12.3 does not), which would stop a training
+    run at random."""
     if bits_to_keep <= 0:
         return Image.new(img.mode, img.size)
     return auto_augment.posterize(img, bits_to_keep)

@@ -79,10 +79,16 @@ class CompressReport:
     unsupported: list = field(default_factory=list)    # (name, class, reason)
     policy: str = ""
     audit: object = None                               # an AuditReport when example_inputs given
+    groups: list = field(default_factory=list)         # (name, asked, channels, given): head counts
+    # that do not divide a layer's channels, and the largest divisor below them the layer took
 
     def summary(self) -> str:
         conv = ", ".join(f"{k} {v}" for k, v in sorted(self.converted.items()))
         lines = [f"mesa compress ({self.policy}): {conv}; {len(self.attention)} attention modules"]
+        if self.groups:
+            lines.append(f"groups changed ({len(self.groups)} layers: the head count does not divide "
+                         "their channels):")
+            lines += [f"  {n}: {a} groups do not divide {c} channels: {g}" for n, a, c, g in self.groups]
         if self.unsupported:
             lines.append(f"not compressed ({len(self.unsupported)} modules):")
             lines += [f"  {n or '(root)'} ({c}): {why}" for n, c, why in self.unsupported]
@@ -294,6 +300,48 @@ def _groups_resolver(model: nn.Module, quant_groups):
     return groups_of
 
 
+def _static_channels(parent: nn.Module, name: str, m: nn.Module) -> int | None:
+    """The width a Mesa layer groups, known before a forward (None where only the input tells):
+    a GELU's from the layer before it in its parent (an MLP's fc1) or the one after it (fc2)."""
+    if isinstance(m, L.Linear):
+        return m.in_features
+    if isinstance(m, L.Conv2d):
+        return m.in_channels
+    if isinstance(m, L.LayerNorm):
+        return int(m.normalized_shape[-1])
+    if isinstance(m, L.BatchNorm2d):
+        return m.num_features
+    if isinstance(m, L.GELU):
+        names = [n for n, _ in parent.named_children()]
+        i = names.index(name)
+        before = [getattr(parent, n) for n in names[:i]]
+        after = [getattr(parent, n) for n in names[i + 1:]]
+        for c in reversed(before):
+            if isinstance(c, nn.Linear):
+                return c.out_features
+        for c in after:
+            if isinstance(c, nn.Linear):
+                return c.in_features
+    return None
+
+
+def _fit_groups(model: nn.Module) -> list:
+    """Give each Mesa layer whose group count does not divide its (statically known) channels
+    the largest divisor below that count (1 at worst); returns (name, asked, channels, given)."""
+    changed = []
+    for pname, parent in model.named_modules():
+        for name, m in parent.named_children():
+            if not isinstance(m, L.MESA_LAYERS) or isinstance(m, (L.MatMul, L.Softmax)):
+                continue
+            g, c = int(m.quant_groups), _static_channels(parent, name, m)
+            if getattr(m, "group_size", None) or c is None or c % g == 0:
+                continue
+            fit = max(d for d in range(1, g + 1) if c % d == 0)
+            m._resize_groups(fit)
+            changed.append((f"{pname}.{name}" if pname else name, g, c, fit))
+    return changed
+
+
 def _convert_layers(model: nn.Module, quant_groups) -> None:
     groups_of = _groups_resolver(model, quant_groups)
     _convert_gelu_modules(model, groups_of)
@@ -383,9 +431,10 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         if _is_timm_attention(m) and not isinstance(m, MesaAttentionMixin):
             _compress_attention(m)
     _convert_layers(model, quant_groups)
+    groups = _fit_groups(model)
     mark_prefix_tokens(model)
     name = _apply_policy(model, policy)
-    report = CompressReport(policy=name)
+    report = CompressReport(policy=name, groups=groups)
     for _, m in mesa_layers(model):
         report.converted[type(m).__name__] = report.converted.get(type(m).__name__, 0) + 1
     report.attention = [n for n, m in model.named_modules() if isinstance(m, MesaAttentionMixin)]
@@ -398,7 +447,7 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
             if row.exact_bytes > 0 and row.name not in listed and not row.is_mesa:
                 report.unsupported.append((row.name, row.type, f"saved {row.exact_bytes} bytes "
                                            "uncompressed in a training forward"))
-    if warn and report.unsupported:
+    if warn and (report.unsupported or report.groups):
         warnings.warn(report.summary(), stacklevel=2)
     return (model, report) if return_report else model
 

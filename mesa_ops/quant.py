@@ -335,6 +335,13 @@ class QuantMixin:
         rows = mean.numel()
         if mean.dtype != torch.float32 or rows == 0 or x.numel() % rows or not mean.is_contiguous():
             return False
+        # the statistics' rows must be x's leading dims (a LayerNorm's (..., 1, 1)): a batch
+        # norm's (1, C, 1, 1) broadcast over the batch is normalized by torch first
+        lead = list(mean.shape)
+        while lead and lead[-1] == 1:
+            lead.pop()
+        if tuple(lead) != tuple(x.shape[:len(lead)]):
+            return False
         return (x.numel() // rows) % inner == 0
 
     def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:

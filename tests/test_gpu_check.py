@@ -93,11 +93,11 @@ def test_cuda_check_installs_nothing_from_a_network():
 
 def test_cuda_check_rehearsal_cheap_stages(tmp_path):
     """The suite's part of `cuda_check.sh --rehearse`: env, deps (nothing missing here), the CUDA
-    test files collected (CUDA-marked tests found), the benchmark's dry run (--quick: exact and
-    mesa8 of the four models built and stepped once on the CPU, the files written)."""
+    test files collected (CUDA-marked tests found), the benchmark's dry run (the four models in
+    the four modes built and stepped once on the CPU at batch 1, the files written)."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_check.sh"), "--rehearse", "--quick",
-                           "--only", "env,deps,collect,bench"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_check.sh"), "--rehearse",
+                           "--only", "collect,bench"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -108,7 +108,7 @@ def test_cuda_check_rehearsal_cheap_stages(tmp_path):
     rows = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert {(r["model"], r["mode"]) for r in rows} == {
         (m, md) for m in ("deit_tiny_patch16_224", "deit_small_patch16_224", "swin_tiny_patch4_window7_224",
-                          "pvt_tiny") for md in ("exact", "mesa8")}
+                          "pvt_tiny") for md in ("exact", "exact-explicit", "mesa8", "mesa8-explicit")}
     assert all(r["dry_run"] and r["batch"] == 128 and r["precision"] == "fp16" for r in rows)
     md = (tmp_path / "bench.md").read_text()
     assert "adamw" in md and "paper exact MB" in md and "dry run" in md

@@ -112,6 +112,13 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     return y
 
 
+def _channel_stats(save_mean: torch.Tensor, save_invstd: torch.Tensor, dim: int):
+    """A batch norm's (C,) batch mean and inverse std as float32 (1, C, 1, ...) for a ``dim``-D
+    input (what every aten batch-norm kernel returns as save_mean / save_var: the inverse std)."""
+    shape = (1, -1) + (1,) * (dim - 2)
+    return save_mean.float().reshape(shape), save_invstd.float().reshape(shape)
+
+
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, quant, cdt, amp16):
@@ -120,8 +127,12 @@ class _BatchNorm(torch.autograd.Function):
         y, save_mean, save_var, reserve, impl = torch._batch_norm_impl_index(
             xc, w, b, running_mean, running_var, True, momentum, eps,
             torch.backends.cudnn.enabled)
-        # training-mode backward reads the batch statistics only, not the running ones
-        save_for_backward(ctx, quant.quantize(xc, amp16), w, save_mean, save_var, reserve)
+        # stored: x-hat = (x - mean_c) * invstd_c, whose channels share one scale, not x: one range
+        # over channels of very different scales (issue 35: 1e-2..1e1 gave a gradient error of 2x
+        # to 7x) stores the narrow ones as a few levels, and backward divides that error by their
+        # std. The training-mode backward reads the batch statistics only, not the running ones.
+        save_for_backward(ctx, quant.quantize(xc, amp16, norm=_channel_stats(save_mean, save_var, x.dim())),
+                          w, save_mean, save_var, reserve)
         ctx.mesa_name = quant.describe()
         ctx.impl, ctx.eps, ctx.x_dtype, ctx.cdt = impl, eps, x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
@@ -130,7 +141,12 @@ class _BatchNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        xh, w, save_mean, save_var, reserve = saved_tensors(ctx)
+        xhat, w, save_mean, save_var, reserve = saved_tensors(ctx)
+        mean, invstd = _channel_stats(save_mean, save_var, xhat.dim())
+        # x as aten's kernel reads it, from the stored x-hat: its error is now relative to each
+        # channel's own std, and the kernel's (x - mean) * invstd recovers the stored x-hat
+        xh = torch.addcdiv(mean, xhat.float(), invstd).to(ctx.cdt)
+        release(xhat)
         need = ctx.needs_input_grad
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
             ctx.impl, xh, gy.to(ctx.cdt).contiguous(), w, None, None, save_mean, save_var, True,
