@@ -309,8 +309,9 @@ def _static_channels(parent: nn.Module, name: str, m: nn.Module) -> int | None:
         return m.in_channels
     if isinstance(m, L.LayerNorm):
         return int(m.normalized_shape[-1])
-    if isinstance(m, L.BatchNorm2d):
-        return m.num_features
+    if isinstance(m, (L.BatchNorm2d, L.BatchNorm3d)) or (isinstance(m, L.BatchNormBase)
+                                                          and type(m) not in L.MESA_LAYERS):
+        return m.num_features  # (4-D and larger: groups along C; BatchNorm1d / Sync: by input)
     if isinstance(m, L.GELU):
         names = [n for n, _ in parent.named_children()]
         i = names.index(name)
@@ -375,7 +376,8 @@ def _unsupported(model: nn.Module) -> list:
             if m.p > 0:
                 out.append((name, qn, f"dropout p={m.p} saves its mask (1 byte per element)"))
             continue
-        if isinstance(m, (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d, nn.GELU, nn.Softmax, nn.ReLU)):
+        if isinstance(m, (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.GELU,
+                          nn.Softmax, nn.ReLU)):
             why = "a subclass with its own forward (or parametrized): left exact"
         else:
             why = "no Mesa counterpart: what it saves for backward stays exact"

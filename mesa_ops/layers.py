@@ -12,6 +12,8 @@ registers them with timm's ``register_notrace_module``).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -139,20 +141,17 @@ class ReLU(_Layer, nn.ReLU):
         return F.relu(x, inplace=self.inplace)
 
 
-class BatchNorm2d(_Layer, nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` storing its input (B, C, H, W) at ``bits`` bits (groups along C)."""
+class BatchNormBase(_Layer):
+    """The Mesa training forward of the batch norms (1d, 2d, 3d, SyncBatchNorm, timm's
+    BatchNormAct2d): it stores x-hat, each channel normalized by its batch statistics, at
+    ``bits`` bits (see mesa_ops.functional.norm); eval mode, running statistics and a frozen
+    affine are the plain layer."""
 
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
-                 track_running_stats=True, mesa=False, args=None, logger=None, quant_groups=1,
-                 bits=8, enable=False, group_size=None, device=None, dtype=None):
-        nn.BatchNorm2d.__init__(self, num_features, eps, momentum, affine, track_running_stats,
-                                device=device, dtype=dtype)
-        self._setup("bn", mesa, enable, quant_groups, bits, group_size)
-
-    def forward(self, x):
+    def _mesa_forward(self, x):
+        """The Mesa training forward of ``x``, or None where the plain forward applies."""
         use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         if not (use_batch_stats and self._active(x, self.weight, self.bias)):
-            return super().forward(x)
+            return None
         self._check_input_dim(x)
         # momentum bookkeeping exactly as nn.modules.batchnorm._BatchNorm.forward
         momentum = 0.0 if self.momentum is None else self.momentum
@@ -162,6 +161,76 @@ class BatchNorm2d(_Layer, nn.BatchNorm2d):
         track = not self.training or self.track_running_stats
         return MF.batch_norm_fn(x, self.weight, self.bias, self.running_mean if track else None,
                                 self.running_var if track else None, momentum, self.eps, self)
+
+    def forward(self, x):
+        y = None if torch.jit.is_scripting() else self._mesa_forward(x)
+        return super().forward(x) if y is None else y
+
+
+def _bn_init(self, base, num_features, eps, momentum, affine, track_running_stats, mesa, enable,
+             quant_groups, bits, group_size, device, dtype, **extra):
+    base.__init__(self, num_features, eps, momentum, affine, track_running_stats, device=device,
+                  dtype=dtype, **extra)
+    self._setup("bn", mesa, enable, quant_groups, bits, group_size)
+
+
+class BatchNorm1d(BatchNormBase, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` storing x-hat of its input (B, C) or (B, C, L) at ``bits`` bits."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, mesa=False, args=None, logger=None, quant_groups=1,
+                 bits=8, enable=False, group_size=None, device=None, dtype=None):
+        _bn_init(self, nn.BatchNorm1d, num_features, eps, momentum, affine, track_running_stats, mesa,
+                 enable, quant_groups, bits, group_size, device, dtype)
+
+
+class BatchNorm2d(BatchNormBase, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` storing x-hat of its input (B, C, H, W) at ``bits`` bits (groups along C)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, mesa=False, args=None, logger=None, quant_groups=1,
+                 bits=8, enable=False, group_size=None, device=None, dtype=None):
+        _bn_init(self, nn.BatchNorm2d, num_features, eps, momentum, affine, track_running_stats, mesa,
+                 enable, quant_groups, bits, group_size, device, dtype)
+
+
+class BatchNorm3d(BatchNormBase, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` storing x-hat of its input (B, C, D, H, W) at ``bits`` bits."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, mesa=False, args=None, logger=None, quant_groups=1,
+                 bits=8, enable=False, group_size=None, device=None, dtype=None):
+        _bn_init(self, nn.BatchNorm3d, num_features, eps, momentum, affine, track_running_stats, mesa,
+                 enable, quant_groups, bits, group_size, device, dtype)
+
+
+class SyncBatchNorm(BatchNormBase, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm``: where its statistics are those of this process (one process, eval)
+    the Mesa batch norm; where they are synchronised across ranks the plain layer, exact, said
+    once (a rank's own statistics would normalize differently)."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True,
+                 track_running_stats=True, process_group=None, mesa=False, args=None, logger=None,
+                 quant_groups=1, bits=8, enable=False, group_size=None, device=None, dtype=None):
+        _bn_init(self, nn.SyncBatchNorm, num_features, eps, momentum, affine, track_running_stats,
+                 mesa, enable, quant_groups, bits, group_size, device, dtype, process_group=process_group)
+        self._warned_sync = False
+
+    def _syncs(self) -> bool:
+        dist = torch.distributed
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size(self.process_group or dist.group.WORLD) > 1
+
+    def forward(self, x):
+        if not torch.jit.is_scripting() and self.enable and self._syncs():
+            if not getattr(self, "_warned_sync", False):
+                self._warned_sync = True
+                warnings.warn(f"{self.describe()}: SyncBatchNorm across ranks keeps its input exact "
+                              "(Mesa stores x-hat of a batch norm whose statistics are this "
+                              "process's)", RuntimeWarning, stacklevel=2)
+            return nn.SyncBatchNorm.forward(self, x)
+        return super().forward(x)
 
 
 class _TwoQuant:
@@ -239,4 +308,5 @@ class MatMul(_TwoQuant, nn.Module):
         return torch.matmul(a, b)
 
 
-MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm2d, Softmax, MatMul, SDPA)
+MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
+               Softmax, MatMul, SDPA, BatchNormBase)

@@ -327,7 +327,11 @@ def set_mesa(model: nn.Module, enable: bool = True, bits: int = 8, tags=None, **
 # nn.MultiheadAttention's NonDynamicallyQuantizableLinear) or is known to compute the same
 # (timm's LayerNorm); others (timm's LayerNorm2d, BatchNormAct2d, Conv2dSame, ...) are left as
 # they are and their children converted.
-_CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm2d, nn.GELU, nn.Softmax, nn.ReLU)
+_CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+                nn.SyncBatchNorm, nn.GELU, nn.Softmax, nn.ReLU)
+# subclasses with their own forward that Mesa has a version of (mesa_ops.timm_layers): the
+# module's class is swapped in place, its children converted as any others
+_SWAPPABLE = {"timm.layers.norm_act.BatchNormAct2d"}
 _SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm",
                  # mmcv's wrappers (mmseg / mmdet backbones): their forward special-cases empty
                  # inputs on torch < 1.4 / 1.5 only, and is the base forward otherwise
@@ -402,15 +406,35 @@ def _groups_of_size(channels: int, s: int, what: str) -> int:
     return channels // s
 
 
+def _swap_class(child: nn.Module, g_of) -> nn.Module | None:
+    """``child`` turned into its Mesa version in place (a class of :data:`_SWAPPABLE`), or None."""
+    cls = type(child)
+    if f"{cls.__module__}.{cls.__qualname__}" not in _SWAPPABLE:
+        return None
+    from .timm_layers import SWAPS
+
+    child.__class__ = SWAPS[f"{cls.__module__}.{cls.__qualname__}"]
+    ref = _first_tensor(child)
+    child._init_quant(g_of(child.num_features), tag="bn")
+    if ref is not None and ref.device.type != "meta":
+        for b in ("clip_val", "shift", "iteration"):
+            child._buffers[b] = child._buffers[b].to(ref.device)
+    return child
+
+
 def _convert_child(child: nn.Module, spec, parent=None, name=""):
     """A Mesa layer for an ``nn`` layer (or None). ``spec`` is ('groups', G) or ('size', S)."""
-    if not _convertible(child):
-        return None
     kind, n = spec
     what = f"{name!r} ({type(child).__name__})"
 
     def g_of(channels):
         return n if kind == "groups" else _groups_of_size(channels, n, what)
+
+    swapped = _swap_class(child, g_of)
+    if swapped is not None:
+        return swapped
+    if not _convertible(child):
+        return None
 
     meta = dict(device="meta")
     if isinstance(child, nn.Linear):
@@ -424,10 +448,15 @@ def _convert_child(child: nn.Module, spec, parent=None, name=""):
         new = L.LayerNorm(child.normalized_shape, child.eps, child.elementwise_affine,
                           bias=child.bias is not None,
                           quant_groups=g_of(child.normalized_shape[-1]), **meta)
-    elif isinstance(child, nn.BatchNorm2d):
-        new = L.BatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
-                            child.track_running_stats, quant_groups=g_of(child.num_features),
-                            **meta)
+    elif isinstance(child, nn.SyncBatchNorm):
+        new = L.SyncBatchNorm(child.num_features, child.eps, child.momentum, child.affine,
+                              child.track_running_stats, child.process_group,
+                              quant_groups=g_of(child.num_features), **meta)
+    elif isinstance(child, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        cls = {nn.BatchNorm1d: L.BatchNorm1d, nn.BatchNorm2d: L.BatchNorm2d,
+               nn.BatchNorm3d: L.BatchNorm3d}[_base_of(child)]
+        new = cls(child.num_features, child.eps, child.momentum, child.affine,
+                  child.track_running_stats, quant_groups=g_of(child.num_features), **meta)
     elif isinstance(child, nn.GELU):
         new = L.GELU(approximate=child.approximate, **_runtime_groups(spec))
     elif isinstance(child, nn.Softmax):
@@ -460,9 +489,11 @@ def _runtime_groups(spec) -> dict:
 def _convert(module: nn.Module, spec) -> nn.Module:
     for name, child in module.named_children():
         if isinstance(child, L.MESA_LAYERS):
+            if isinstance(child, L.BatchNormBase) and type(child) not in L.MESA_LAYERS:
+                _convert(child, spec)  # a swapped class (BatchNormAct2d): its act / drop children
             continue
         new = _convert_child(child, spec, parent=module, name=name)
-        if new is None:
+        if new is None or new is child:
             _convert(child, spec)
         else:
             setattr(module, name, new)
@@ -496,8 +527,9 @@ def mark_prefix_tokens(model: nn.Module) -> int:
 
 
 def convert_by_num_groups(module: nn.Module, num_groups: int) -> nn.Module:
-    """Replace the nn layers Mesa knows (Linear, Conv2d, LayerNorm, BatchNorm2d, GELU, Softmax,
-    ReLU) by Mesa layers with ``num_groups`` quantization groups, in place, and return the model.
+    """Replace the nn layers Mesa knows (Linear, Conv2d, LayerNorm, BatchNorm1d/2d/3d, SyncBatchNorm,
+    GELU, Softmax, ReLU; timm's BatchNormAct2d) by Mesa layers with ``num_groups`` quantization
+    groups, in place, and return the model.
     Every parameter and buffer is kept (the same objects: an optimizer built before still
     works), as are device, dtype and train/eval mode; converting twice changes nothing.
     Compression stays off until a policy enables it. (When ``module`` itself is such a layer,

@@ -170,3 +170,18 @@ def test_saved_activation_bytes_helper():
     # both Linears save their inputs (for the weight gradient), GELU its input
     assert meter.by_type == {"Linear": 5 * 16 * 4 + 5 * 32 * 4, "GELU": 5 * 32 * 4}
     assert meter.total_bytes == 5 * 16 * 4 + 2 * 5 * 32 * 4
+
+
+def test_meter_counts_autocast_weight_casts_apart():
+    """Issue 35 item 5: under autocast each weight's low-precision copy (autocast's cache, saved by
+    the linear transposed) is not an activation: counted in weight_cast_bytes, not total_bytes."""
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).train()
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), ms.SavedActivationMeter(lin) as meter:
+        lin(x).float().sum()
+    assert meter.total_bytes == (4 * 64 + 4 * 256) * 2  # the two linears' bf16 inputs
+    assert meter.weight_cast_bytes == 2 * 64 * 256 * 2  # the two bf16 weights
+    assert meter.by_type == {"Linear": meter.total_bytes}
+    with ms.SavedActivationMeter(lin) as fp32:  # no autocast: no casts
+        lin(x).sum()
+    assert fp32.weight_cast_bytes == 0 and fp32.total_bytes == (4 * 64 + 4 * 256) * 4
