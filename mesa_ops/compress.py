@@ -26,6 +26,7 @@ tensors stay uncompressed.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -356,17 +357,29 @@ def _convert_layers(model: nn.Module, quant_groups) -> None:
 
 
 # ---- listing what is not compressed ----------------------------------------------------------
+_ATTN_NAME = re.compile(r"att(n|ention)", re.IGNORECASE)
+
+
+def _attention_like(m: nn.Module) -> bool:
+    """A module that computes attention itself: ``num_heads``, or 'Attn' / 'Attention' in its
+    class name (Swin-V2's WindowAttention, CaiT's TalkingHeadAttn / ClassAttn, XCiT's XCA,
+    CoaT's FactorAttnConvRelPosEnc, EfficientViT's CascadedGroupAttention, ...), with children."""
+    return bool(list(m.children())) and (isinstance(getattr(m, "num_heads", None), int)
+                                          or bool(_ATTN_NAME.search(type(m).__name__)))
+
+
 def _unsupported(model: nn.Module) -> list:
     out = []
     for name, m in model.named_modules():
         if isinstance(m, L.MESA_LAYERS + (MesaAttentionMixin, QuantMixin)):
             continue
-        if any(isinstance(c, (SDPA, L.MatMul, L.Softmax)) for c in m.children()):
+        if any(isinstance(c, (SDPA, L.MatMul)) for c in m.children()):
             continue  # an attention module already built from Mesa ops (this repo's models)
         qn = _qualname(m)
-        if hasattr(m, "fused_attn") and hasattr(m, "num_heads"):
+        if _attention_like(m) and not any(_attention_like(c) for c in m.modules() if c is not m):
+            # (the innermost: a block named '...AttentionBlock' is not listed beside its attn)
             out.append((name, qn, "attention module of an unknown class: its q@k / softmax / "
-                        "attn@v (or SDPA) stay exact"))
+                        "attn@v (or SDPA), computed in its forward, stay exact"))
             continue
         if list(m.children()):
             continue

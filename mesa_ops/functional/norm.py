@@ -112,6 +112,10 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     return y
 
 
+# fewer values per channel than this (batch x spatial size): a batch norm stores its input exactly
+BN_MIN_PER_CHANNEL = 16
+
+
 def _channel_stats(save_mean: torch.Tensor, save_invstd: torch.Tensor, dim: int):
     """A batch norm's (C,) batch mean and inverse std as float32 (1, C, 1, ...) for a ``dim``-D
     input (what every aten batch-norm kernel returns as save_mean / save_var: the inverse std)."""
@@ -131,8 +135,14 @@ class _BatchNorm(torch.autograd.Function):
         # over channels of very different scales (issue 35: 1e-2..1e1 gave a gradient error of 2x
         # to 7x) stores the narrow ones as a few levels, and backward divides that error by their
         # std. The training-mode backward reads the batch statistics only, not the running ones.
-        save_for_backward(ctx, quant.quantize(xc, amp16, norm=_channel_stats(save_mean, save_var, x.dim())),
-                          w, save_mean, save_var, reserve)
+        # Few values per channel (a 1x1 map at batch 2: EfficientViT's last stage) make the
+        # backward ill-conditioned: with M values gx is gy minus its projections on 1 and x-hat,
+        # exactly ~0 at M = 2, so any error of x-hat is amplified (M = 2: a global gradient error
+        # of 0.32 from one such layer). Such inputs are small: stored exactly.
+        exact = xc.numel() < BN_MIN_PER_CHANNEL * xc.shape[1]
+        stored = xc if exact else quant.quantize(xc, amp16, norm=_channel_stats(save_mean, save_var, x.dim()))
+        save_for_backward(ctx, stored, w, save_mean, save_var, reserve)
+        ctx.exact = exact
         ctx.mesa_name = quant.describe()
         ctx.impl, ctx.eps, ctx.x_dtype, ctx.cdt = impl, eps, x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
@@ -142,11 +152,14 @@ class _BatchNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy):
         xhat, w, save_mean, save_var, reserve = saved_tensors(ctx)
-        mean, invstd = _channel_stats(save_mean, save_var, xhat.dim())
-        # x as aten's kernel reads it, from the stored x-hat: its error is now relative to each
-        # channel's own std, and the kernel's (x - mean) * invstd recovers the stored x-hat
-        xh = torch.addcdiv(mean, xhat.float(), invstd).to(ctx.cdt)
-        release(xhat)
+        if ctx.exact:
+            xh = xhat
+        else:
+            mean, invstd = _channel_stats(save_mean, save_var, xhat.dim())
+            # x as aten's kernel reads it, from the stored x-hat: its error is now relative to
+            # each channel's own std, and the kernel's (x - mean) * invstd recovers the x-hat
+            xh = torch.addcdiv(mean, xhat.float(), invstd).to(ctx.cdt)
+            release(xhat)
         need = ctx.needs_input_grad
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
             ctx.impl, xh, gy.to(ctx.cdt).contiguous(), w, None, None, save_mean, save_var, True,
