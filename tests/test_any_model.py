@@ -44,31 +44,31 @@ def _grads(model) -> torch.Tensor:
 def test_efficientvit_hybrid_gradients_close_and_finite():
     """efficientvit_m0 (BatchNormAct2d, 1x1 maps at its last stage): the issue measured a global
     gradient error of 378 and non-finite values after one SGD step. Now: forward bit-identical,
-    global gradient error below 2% over two SGD steps, everything finite."""
+    global gradient error below 2% at init and after an SGD step (Mesa's weights set to the exact
+    run's, its running ranges its own), everything finite."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
     ref = timm.create_model("efficientvit_m0", img_size=64).train()
     mesa = ms.compress(copy.deepcopy(ref), "mesa8", warn=False).train()
-    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05)
-    opt_m = torch.optim.SGD(mesa.parameters(), lr=0.05)
     for step in range(2):
         x, lab = torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2,))
-        for model, opt in ((ref, opt_r), (mesa, opt_m)):
-            opt.zero_grad()
+        outs = []
+        for model in (ref, mesa):
+            model.zero_grad()
             torch.manual_seed(step)
-            out = model(x)
-            F.cross_entropy(out, lab).backward()
-            if model is ref:
-                y_ref = out.detach()
-        if step == 0:  # (after a step the weights differ by the gradients' difference)
-            assert torch.equal(out, y_ref)
+            outs.append(model(x))
+            F.cross_entropy(outs[-1], lab).backward()
+        assert torch.equal(outs[0], outs[1])
         g, gr = _grads(mesa), _grads(ref)
         assert torch.isfinite(g).all()
         assert float((g - gr).norm() / gr.norm()) < 0.02, step
-        opt_r.step()
-        opt_m.step()
-    assert all(torch.isfinite(p).all() for p in mesa.parameters())
+        with torch.no_grad():  # one SGD step of each, then the exact weights for both
+            for pm, pr in zip(mesa.parameters(), ref.parameters()):
+                pm.sub_(0.01 * pm.grad)
+                assert torch.isfinite(pm).all()
+                pr.sub_(0.01 * pr.grad)
+                pm.copy_(pr)
 
 
 def test_batch_norm_with_few_values_per_channel_stores_its_input_exactly():
