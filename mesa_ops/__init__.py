@@ -13,6 +13,7 @@ from .layers import (MESA_LAYERS, BatchNorm1d, BatchNorm2d, BatchNorm3d, Conv2d,
 from .memory import SavedActivationMeter, saved_activation_bytes
 from .audit import audit
 from .compress import compress
+from .verify import verify
 from .packed import QTensor
 from .quant import QuantMixin, Quantizer
 from .ops import get_rng_state, set_rng_state
@@ -22,6 +23,7 @@ from .quant import set_dist_sync, set_prefix_tokens
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
            "BatchNorm1d", "BatchNorm3d", "SyncBatchNorm",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
-           "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit"]
+           "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit",
+           "verify"]
 __all__ += ["get_rng_state", "set_rng_state", "set_dist_sync", "set_prefix_tokens", "check_nonfinite"]
 __version__ = "0.1.0"

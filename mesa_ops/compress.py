@@ -80,6 +80,7 @@ class CompressReport:
     unsupported: list = field(default_factory=list)    # (name, class, reason)
     policy: str = ""
     audit: object = None                               # an AuditReport when example_inputs given
+    verify: object = None                              # a VerifyReport when verify= is given
     groups: list = field(default_factory=list)         # (name, asked, channels, given): head counts
     # that do not divide a layer's channels, and the largest divisor below them the layer took
 
@@ -93,6 +94,8 @@ class CompressReport:
         if self.unsupported:
             lines.append(f"not compressed ({len(self.unsupported)} modules):")
             lines += [f"  {n or '(root)'} ({c}): {why}" for n, c, why in self.unsupported]
+        if self.verify is not None:
+            lines.append(self.verify.summary())
         return "\n".join(lines)
 
 
@@ -419,7 +422,8 @@ def _apply_policy(model: nn.Module, policy) -> str:
 
 
 def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inputs=None,
-             return_report: bool = False, warn: bool = True):
+             return_report: bool = False, warn: bool = True, verify=None, verify_threshold: float = 0.05,
+             leave_exact: bool = False):
     """Make ``model`` train with Mesa, in place; returns the model (and the report).
 
     Args:
@@ -435,6 +439,10 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
             (:func:`mesa_ops.audit.audit`) and modules saving uncompressed tensors are listed.
         return_report: return ``(model, CompressReport)`` instead of the model.
         warn: emit a warning listing the modules left uncompressed.
+        verify: a batch (tensor or tuple of inputs): Mesa's gradients on it are checked against
+            exact ones (:func:`mesa_ops.verify.verify`, ``report.verify``); parameters whose
+            relative error is above ``verify_threshold`` are named with the stored copy causing
+            it, in the warning too; ``leave_exact=True`` switches those layers to exact.
 
     Weights are the same tensor objects; outputs in eval mode and with Mesa off are those of the
     original forward; in training with Mesa on the forward is the exact explicit attention
@@ -462,7 +470,11 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
             if row.exact_bytes > 0 and row.name not in listed and not row.is_mesa:
                 report.unsupported.append((row.name, row.type, f"saved {row.exact_bytes} bytes "
                                            "uncompressed in a training forward"))
-    if warn and (report.unsupported or report.groups):
+    if verify is not None:
+        from .verify import verify as check
+
+        report.verify = check(model, verify, threshold=verify_threshold, leave_exact=leave_exact)
+    if warn and (report.unsupported or report.groups or (report.verify is not None and report.verify.flagged)):
         warnings.warn(report.summary(), stacklevel=2)
     return (model, report) if return_report else model
 

@@ -91,3 +91,39 @@ def test_batch_norm_with_few_values_per_channel_stores_its_input_exactly():
         assert (meter.total_bytes >= x.numel() * 4) == exact, shape
         if exact:
             assert torch.allclose(x.grad, xr.grad, atol=1e-6) and torch.allclose(bn.weight.grad, ref.weight.grad)
+
+
+def test_verify_flags_the_stored_copy_that_causes_an_error_and_can_leave_it_exact():
+    """Item 4: ms.compress(model, policy, verify=batch): exact vs Mesa gradients on the batch,
+    per parameter; a layer stored at 1 bit is named as the cause of its weight's error, and with
+    leave_exact it is switched to exact, the errors then under the threshold. The model's state
+    (running ranges, draw counters, gradients, RNG) is as before the check."""
+    from mesa_ops.verify import VerifyReport
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    net = ms.compress(net, "mesa8", warn=False)
+    net[2].bits = 2  # a deliberately bad copy: the head's input at 2 bits
+    x = torch.randn(32, 16)
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    report = ms.verify(net, x, draws=2)
+    assert isinstance(report, VerifyReport) and set(report.errors) == {n for n, _ in net.named_parameters()}
+    assert [(p, c) for p, _, c in report.flagged] == [("2.weight", "2")]
+    assert report.errors["0.weight"] < 0.05 and report.errors["2.weight"] > 0.2
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in net.parameters())
+    assert net[2].enable and "2.weight" in report.summary() and "from 2" in report.summary()
+
+    rep = ms.verify(net, x, draws=2, leave_exact=True)
+    assert rep.left_exact == ["2"] and not net[2].enable and net[0].enable
+    assert max(rep.after.values()) < 0.05 and "left exact: 2" in rep.summary()
+
+
+def test_verify_passes_a_mesa8_vit():
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2)
+    model, report = ms.compress(model, "mesa8", verify=torch.randn(4, 3, 32, 32), return_report=True,
+                                warn=False)
+    assert report.verify.flagged == [] and 0 < report.verify.worst[1] < 0.05
+    assert "0 above 5%" in report.summary()
