@@ -157,3 +157,25 @@ def test_segmentation_tests_skip_without_the_seg_stack():
                          timeout=300)
     assert out.returncode in (0, 5), out.stdout[-3000:]  # 5: every module skipped, nothing ran
     assert "4 skipped" in out.stdout and "error" not in out.stdout.lower() and "is not installed (the optional segmentation stack)" in out.stdout
+
+
+def test_tested_pins_lie_in_the_declared_range():
+    """requirements.txt (the exact tested set) satisfies pyproject.toml's supported range, and the
+    floor scripts/compat.sh builds is that range's lower end."""
+    import re
+
+    from packaging.requirements import Requirement
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 (the floor): pytest's own dependency
+        import tomli as tomllib
+
+    deps = {Requirement(d).name: Requirement(d) for d in
+            tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==([^\s#]+)", (ROOT / "requirements.txt").read_text(), re.M))
+    for name in ("torch", "torchvision", "timm", "numpy", "scikit-learn"):
+        assert deps[name].specifier.contains(pins[name]), (name, pins[name], str(deps[name].specifier))
+    script = (ROOT / "scripts" / "compat.sh").read_text()
+    assert "TORCH=2.8.0" in script and deps["torch"].specifier.contains("2.8.0")
+    assert not deps["torch"].specifier.contains("2.7.1") and deps["torch"].specifier.contains("2.15.0")
+    assert str(deps["timm"].specifier) == ">=1.0.3"
