@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a bare GPU machine: no venv is created and nothing is installed from a network.
 #
-#   bash scripts/cuda_check.sh              # on a GPU: ~5-6 min on one H100 (8 at most)
+#   bash scripts/cuda_check.sh              # on a GPU: 8 min at most (--budget 480; not yet run on one)
 #   bash scripts/cuda_check.sh --quick      # on a GPU: fewer modes and steps (4 min at most)
 #   bash scripts/cuda_check.sh --rehearse   # no GPU: every stage that needs none (below)
 #   bash scripts/cuda_check.sh --only bench # one stage (or a comma-separated list), after env and deps
