@@ -1,6 +1,7 @@
 """Mesa for a model you did not write: ``mesa_ops.compress(model, policy='mesa8')``.
 
-Converts a stock model (tested: timm's ViT / DeiT, Swin and PVT-v2) in place, without editing
+Converts a stock model (tested: timm's ViT / DeiT, Swin, PVT-v2, and CaiT, XCiT, CoaT, Swin-V2,
+EfficientViT) in place, without editing
 its code (Pan et al., Mesa, arXiv 2111.11124, Sec. 3-4):
 
 * ``nn.Linear``, ``nn.Conv2d``, ``nn.LayerNorm`` (and timm's ``LayerNorm``), ``nn.BatchNorm2d``,
@@ -14,7 +15,14 @@ its code (Pan et al., Mesa, arXiv 2111.11124, Sec. 3-4):
   ``mm1`` (q @ k^T), ``softmax``, ``mm2`` (attn @ v), each with one group per head (the paper's
   head-wise quantization). Parameter names are kept; the only new state-dict keys are the
   quantizers' (``attn.mm1.quant1.clip_val`` etc., the original Mesa names). Eval mode, and
-  training with Mesa off, run timm's forward untouched.
+  training with Mesa off, run timm's forward untouched. CaiT / XCiT class attention and XCiT's
+  cross-covariance attention (``XCA``) take the same route.
+* attention forms that spell their ops out (:data:`EXPLICIT_ATTENTION`: CaiT's talking heads,
+  CoaT's factorised attention, Swin-V2's cosine attention) run timm's forward with their
+  head-wise matmuls and softmaxes routed to Mesa ``mesa_mm[i]`` / ``mesa_softmax[i]``; cosine
+  attention (:data:`COSINE_OPS`: Swin-V2, XCA) also gets its l2 normalizations of q and k and
+  its per-head logit scale / temperature product routed to ``mesa_norm[i]`` (ms.Normalize) and
+  ``mesa_scale[i]`` (ms.Scale), and Swin-V2's ``F.linear(x, qkv.weight, ...)`` to its Mesa qkv.
 * Groups: ``quant_groups='heads'`` gives the layers inside a block containing an attention
   module one group per head of that block (as this repo's models do); elsewhere one group.
 
@@ -35,18 +43,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from . import functional as MF
 from . import layers as L
 from .attention import QUANTIZERS, SDPA, head_layout
 from .quant import QuantMixin
 from .policy import (PolicyError, convert_by_num_groups, deploy_on_init, mark_prefix_tokens,
                      mesa_layers, set_mesa)
 
-__all__ = ["compress", "CompressReport", "NAMED_POLICIES", "COMPRESSED_ATTENTION", "attention_core"]
+__all__ = ["compress", "CompressReport", "NAMED_POLICIES", "COMPRESSED_ATTENTION", "EXPLICIT_ATTENTION",
+           "COSINE_OPS", "attention_core"]
 
 NAMED_POLICIES = {"mesa8": 8, "mesa4": 4, "mesa2": 2}
 # tags a named policy enables: the paper's Transformer ops plus the conv-net layers (the first
 # conv, which reads the image the caller holds anyway, stays exact: see configs/mesa/pvt_8bit.txt)
-POLICY_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax", "attention", "conv", "bn", "relu")
+POLICY_TAGS = ("fc", "matmul", "gelu", "layernorm", "softmax", "attention", "conv", "bn", "relu",
+               "normalize", "scale")
 
 # timm attention classes whose forward calls F.scaled_dot_product_attention on (B, H, N, D)
 # q, k, v when ``fused_attn`` is set (qualified names, so timm is not imported here)
@@ -55,6 +66,8 @@ COMPRESSED_ATTENTION = (
     "timm.models.vision_transformer.Attention",
     "timm.models.swin_transformer.WindowAttention",
     "timm.models.pvt_v2.Attention",
+    "timm.models.cait.ClassAttn",     # CaiT / XCiT class attention: one query, the class token
+    "timm.models.xcit.XCA",           # cross-covariance attention: (B, H, C/H, N), l2-normalized q, k
 )
 # timm modules computing F.gelu(x) / F.gelu(x, approximate='tanh') and nothing else
 _GELU_MODULES = {"timm.layers.activations.GELU": "none", "timm.layers.activations.GELUTanh": "tanh"}
@@ -101,13 +114,19 @@ class CompressReport:
 
 # ---- attention -----------------------------------------------------------------------------
 def _mesa_ops_of(module) -> tuple:
-    return tuple(getattr(module, n) for n in ("sdpa", "mm1", "softmax", "mm2")
-                 if isinstance(getattr(module, n, None), (SDPA, L.MatMul, L.Softmax)))
+    ops = tuple(getattr(module, n) for n in ("sdpa", "mm1", "softmax", "mm2")
+                if isinstance(getattr(module, n, None), (SDPA, L.MatMul, L.Softmax)))
+    for n in ("mesa_mm", "mesa_softmax", "mesa_norm", "mesa_scale"):  # (the routed ops)
+        ops += tuple(getattr(module, n, ()))
+    return ops
 
 
 def _any_enabled(*mods) -> bool:
     for m in mods:
-        qs = [getattr(m, q) for q in QUANTIZERS] if isinstance(m, SDPA) else [m.quant1, m.quant2]
+        if isinstance(m, (L.Normalize, L.Scale)):
+            qs = [m]
+        else:
+            qs = [getattr(m, q) for q in QUANTIZERS] if isinstance(m, SDPA) else [m.quant1, m.quant2]
         if any(bool(q.enable) for q in qs):
             return True
     return False
@@ -144,6 +163,51 @@ def attention_core(mm1: L.MatMul, softmax: L.Softmax, mm2: L.MatMul, q, k, v, at
     return mm2(attn, v)
 
 
+# attention forms with cosine attention: qualified name -> (l2 normalizations of (B, H, ., .)
+# tensors, products by a learned per-head scale), routed to ms.Normalize / ms.Scale in call order
+COSINE_OPS = {
+    "timm.models.xcit.XCA": (2, 1),                             # q, k; temperature
+    "timm.models.swin_transformer_v2.WindowAttention": (2, 1),  # q, k; logit_scale.exp()
+}
+_MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+
+
+def _route_cosine(mode, func, args, kwargs):
+    """The result of ``func`` run by the owner's next ``mesa_norm`` / ``mesa_scale`` when it is
+    an ``F.normalize`` / product by a per-head scale of a (B, H, ., .) tensor, or by a child Mesa
+    Linear when it is ``F.linear`` with that layer's weight; None otherwise."""
+    o = mode.owner
+    if func is F.linear:  # Swin-V2's F.linear(x, self.qkv.weight, cat(q_bias, 0, v_bias))
+        call = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        w = call.get("weight")
+        for lin in o.children():
+            if isinstance(lin, L.Linear) and w is lin.weight and w.requires_grad:
+                if lin._active(call["input"], w, call.get("bias")):
+                    return MF.linear_fn(call["input"], w, call.get("bias"), lin)
+        return None
+    norms, scales = getattr(o, "mesa_norm", ()), getattr(o, "mesa_scale", ())
+    heads = getattr(o, "num_heads", None)
+    if func is F.normalize and mode.norms < len(norms):
+        names = ("input", "p", "dim", "eps", "out")
+        call = dict(zip(names, args), **kwargs)
+        x, m = call["input"], norms[mode.norms]
+        if (x.dim() == 4 and x.shape[1] == heads and float(call.get("p", 2.0)) == 2.0
+                and call.get("out") is None and call.get("dim", 1) % 4 == m.dim % 4
+                and call.get("eps", 1e-12) == m.eps):
+            mode.norms += 1
+            return m(x)
+    if func in _MULS and mode.scales < len(scales) and not kwargs and len(args) == 2:
+        x, s = args
+        if isinstance(s, torch.Tensor) and isinstance(x, torch.Tensor):
+            if s.dim() == 4 and x.dim() < 4:
+                x, s = s, x
+            if (x.dim() == 4 and x.shape[1] == heads and s.numel() <= heads and s.requires_grad
+                    and torch.broadcast_shapes(x.shape, s.shape) == x.shape):
+                mode.scales += 1
+                return scales[mode.scales - 1](x, s)
+    return None
+
+
 class _SDPAToMesa(TorchFunctionMode):
     """Routes the ``F.scaled_dot_product_attention`` call of one timm attention forward to its
     Mesa ops. With ms.SDPA the result is computed in the merged (B, N, H*D) layout, which carries
@@ -153,7 +217,7 @@ class _SDPAToMesa(TorchFunctionMode):
 
     def __init__(self, owner):
         super().__init__()
-        self.owner = owner
+        self.owner, self.norms, self.scales = owner, 0, 0
         self.merged = None   # the (B, N, H*D) output of ms.SDPA
         self.handed = ()     # the views of it handed back to timm's code
 
@@ -161,6 +225,9 @@ class _SDPAToMesa(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attend(*args, **kwargs)
+        routed = _route_cosine(self, func, args, kwargs)
+        if routed is not None:
+            return routed
         out = func(*args, **kwargs)
         m = self.merged
         mine = m is not None and args and any(args[0] is h for h in self.handed)
@@ -226,13 +293,66 @@ def _window_attention_forward(self, x: torch.Tensor, mask: torch.Tensor | None =
     return self.proj_drop(x)
 
 
+# attention forms that spell q@k / softmax / attn@v out as tensor ops in their own forward:
+# qualified name -> (how many 4-D head-wise matmuls, the dims of the softmaxes called as functions)
+EXPLICIT_ATTENTION = {
+    "timm.models.cait.TalkingHeadAttn": (2, (-1,)),              # CaiT: talking heads
+    "timm.models.coat.FactorAttnConvRelPosEnc": (2, (2,)),       # CoaT: factorised attention
+    "timm.models.swin_transformer_v2.WindowAttention": (2, ()),  # Swin-V2: cosine attention
+}
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+_SOFTMAXES = (torch.softmax, torch.Tensor.softmax, F.softmax)
+
+
+class _OpsToMesa(TorchFunctionMode):
+    """Routes, in one forward of an explicit attention form, its i-th matmul of two (B, H, ., .)
+    tensors to the Mesa ``mesa_mm[i]`` and its i-th functional softmax to ``mesa_softmax[i]`` (of
+    the same dim), in call order; anything else (and a call beyond those) runs as it is."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.owner, self.mm, self.sm, self.norms, self.scales = owner, 0, 0, 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        o = self.owner
+        if func in _MATMULS and self.mm < len(o.mesa_mm) and not kwargs and len(args) == 2:
+            a, b = args
+            if a.dim() == 4 and b.dim() == 4 and a.shape[1] == b.shape[1] == o.num_heads:
+                self.mm += 1
+                return o.mesa_mm[self.mm - 1](a, b)
+        if func in _SOFTMAXES and self.sm < len(getattr(o, "mesa_softmax", ())):
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            sm = o.mesa_softmax[self.sm]
+            if (dim is not None and x.dim() == 4 and x.shape[1] == o.num_heads
+                    and dim % 4 == sm.dim % 4 and kwargs.get("dtype") is None and len(args) <= 2):
+                self.sm += 1
+                return sm(x)
+        routed = _route_cosine(self, func, args, kwargs)
+        return func(*args, **kwargs) if routed is None else routed
+
+
+class MesaExplicitAttentionMixin(MesaAttentionMixin):
+    """An explicit attention form (:data:`EXPLICIT_ATTENTION`): timm's own forward with its
+    head-wise matmuls and softmaxes routed to Mesa ops while Mesa is on."""
+
+    def forward(self, *args, **kwargs):
+        if not self.mesa_active():
+            return super(MesaAttentionMixin, self).forward(*args, **kwargs)
+        with _OpsToMesa(self):
+            return super(MesaAttentionMixin, self).forward(*args, **kwargs)
+
+
 _SUBCLASSES: dict = {}
 
 
 def _mesa_attention_class(cls: type) -> type:
-    """A subclass of ``cls`` with :class:`MesaAttentionMixin` first (cached per class)."""
+    """A subclass of ``cls`` with :class:`MesaAttentionMixin` (or, for an explicit form,
+    :class:`MesaExplicitAttentionMixin`) first (cached per class)."""
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Mesa{cls.__name__}", (MesaAttentionMixin, cls),
+        mixin = MesaExplicitAttentionMixin if _qualname(cls) in EXPLICIT_ATTENTION else MesaAttentionMixin
+        _SUBCLASSES[cls] = type(f"Mesa{cls.__name__}", (mixin, cls),
                                 {"__module__": __name__, "_mesa_base": _qualname(cls),
                                  "__doc__": f"{cls.__qualname__} with a Mesa attention core "
                                             "(mesa_ops.compress)."})
@@ -249,8 +369,18 @@ def _compress_attention(module: nn.Module) -> None:
     ``mm1`` / ``softmax`` / ``mm2`` (the explicit path, which keeps the dropout mask)."""
     heads = int(module.num_heads)
     drop = getattr(getattr(module, "attn_drop", None), "p", 0.0)
+    explicit = EXPLICIT_ATTENTION.get(_qualname(module))
+    cosine = COSINE_OPS.get(_qualname(module))
     module.__class__ = _mesa_attention_class(type(module))
-    if drop > 0:
+    if cosine is not None:  # (routed in either form's forward)
+        module.mesa_norm = nn.ModuleList(L.Normalize(dim=-1, quant_groups=heads) for _ in range(cosine[0]))
+        module.mesa_scale = nn.ModuleList(L.Scale(quant_groups=heads) for _ in range(cosine[1]))
+    if explicit is not None:
+        n_mm, dims = explicit
+        module.mesa_mm = nn.ModuleList(L.MatMul(quant_groups=heads) for _ in range(n_mm))
+        if dims:  # (none in Swin-V2: its nn.Softmax child is converted as a layer)
+            module.mesa_softmax = nn.ModuleList(L.Softmax(dim=d, quant_groups=heads) for d in dims)
+    elif drop > 0:
         module.mm1 = L.MatMul(quant_groups=heads)
         module.mm2 = L.MatMul(quant_groups=heads)
         module.softmax = L.Softmax(dim=-1, quant_groups=heads)  # Swin's nn.Softmax had no state
@@ -264,7 +394,7 @@ def _compress_attention(module: nn.Module) -> None:
 
 
 def _is_timm_attention(module) -> bool:
-    return _qualname(module) in COMPRESSED_ATTENTION
+    return _qualname(module) in COMPRESSED_ATTENTION or _qualname(module) in EXPLICIT_ATTENTION
 
 
 # ---- conversion ----------------------------------------------------------------------------

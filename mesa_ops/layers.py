@@ -308,5 +308,43 @@ class MatMul(_TwoQuant, nn.Module):
         return torch.matmul(a, b)
 
 
+class Normalize(_Layer, nn.Module):
+    """``F.normalize(x, 2, dim, eps)`` as a module (the q and k of Swin-V2's cosine attention and
+    of XCiT's cross-covariance attention, (B, H, ., .)): stores its output at ``bits`` bits,
+    groups along dim 1 (head-wise), and the row norms."""
+
+    def __init__(self, dim=-1, eps=1e-12, mesa=False, args=None, logger=None, quant_groups=1, bits=8,
+                 enable=False):
+        nn.Module.__init__(self)
+        self.dim, self.eps = dim, eps
+        self._setup("normalize", mesa, enable, quant_groups, bits)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, eps={self.eps}, " + super().extra_repr()
+
+    def forward(self, x):
+        if not torch.jit.is_scripting():
+            if self._active(x):
+                return MF.normalize_fn(x, self.dim, self.eps, self)
+        return F.normalize(x, 2.0, self.dim, self.eps)
+
+
+class Scale(_Layer, nn.Module):
+    """``x * s`` as a module, for x (B, H, ., .) and a learned s broadcast over it (Swin-V2's
+    per-head logit scale, XCiT's temperature, (H, 1, 1)): stores x at ``bits`` bits (head-wise
+    groups) for the gradient of s; the gradient of x (g * s) is exact."""
+
+    def __init__(self, mesa=False, args=None, logger=None, quant_groups=1, bits=8, enable=False):
+        nn.Module.__init__(self)
+        self._setup("scale", mesa, enable, quant_groups, bits)
+
+    def forward(self, x, s):
+        if not torch.jit.is_scripting() and isinstance(s, torch.Tensor):
+            if (self._active(x, s) and s.requires_grad and s.dim() <= x.dim()
+                    and torch.broadcast_shapes(x.shape, s.shape) == x.shape):
+                return MF.scale_fn(x, s, self)
+        return x * s
+
+
 MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
-               Softmax, MatMul, SDPA, BatchNormBase)
+               Softmax, MatMul, SDPA, BatchNormBase, Normalize, Scale)

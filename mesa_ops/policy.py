@@ -2,7 +2,8 @@
 
 A policy file::
 
-    on gelu:                 # layer tag: fc conv gelu bn relu softmax matmul layernorm
+    on gelu:                 # layer tag: fc conv gelu bn relu softmax matmul layernorm ...
+                             # (normalize scale: cosine attention)
         by_index: all        # 'all' or indices (per tag, in module order)
         enable: True
         level: 256           # 2**bits; or `bits: 8`
@@ -41,7 +42,8 @@ from .quant import (IGNORED_KEYS, KEYS, PolicyError, QuantMixin, parse_groups, s
 _log = logging.getLogger("mesa_ops")
 
 TAGS = ("conv", "fc", "eltwise", "shuffle", "concat", "norm", "gelu", "layernorm", "matmul",
-        "softmax", "bn", "relu", "attention")  # the original's order of index assignment (+ SDPA)
+        "softmax", "bn", "relu", "attention", "normalize", "scale")  # the original's order of index
+# assignment (+ SDPA, and the Normalize / Scale of cosine attention)
 CHECKPOINT = "checkpoint"  # section of per-block (compressed) activation checkpointing
 SUB_TAGS = ("matmul-1", "matmul-2", "softmax-1", "softmax-2")  # quant1/quant2 of MatMul/Softmax
 

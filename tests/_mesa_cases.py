@@ -18,6 +18,20 @@ class PlainMatMul(nn.Module):
         return torch.matmul(a, b)
 
 
+class PlainNormalize(nn.Module):
+    """The ``nn`` counterpart of ms.Normalize (F.normalize along the last dim)."""
+
+    def forward(self, x):
+        return torch.nn.functional.normalize(x, dim=-1)
+
+
+class PlainScale(nn.Module):
+    """The ``nn`` counterpart of ms.Scale."""
+
+    def forward(self, x, s):
+        return x * s
+
+
 # name -> (plain layer factory, Mesa layer factory, input shapes)
 CASES = {
     "Linear": (lambda: nn.Linear(64, 48), lambda: ms.Linear(64, 48), [(8, 16, 64)]),
@@ -29,6 +43,9 @@ CASES = {
     "MatMul": (PlainMatMul, ms.MatMul, [(2, 4, 16, 8), (2, 4, 8, 16)]),
     "BatchNorm2d": (lambda: nn.BatchNorm2d(32), lambda: ms.BatchNorm2d(32), [(4, 32, 6, 6)]),
     "ReLU": (lambda: nn.ReLU(), lambda: ms.ReLU(), [(8, 16, 64)]),
+    # cosine attention: q (B, H, N, D) normalized over D; attn (B, H, N, N) times a per-head scale
+    "Normalize": (PlainNormalize, ms.Normalize, [(2, 4, 16, 16)]),
+    "Scale": (PlainScale, ms.Scale, [(4, 12, 16, 16), (12, 1, 1)]),
 }
 NAMES = list(CASES)
 

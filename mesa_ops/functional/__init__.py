@@ -6,9 +6,10 @@ output; the layers in :mod:`mesa_ops.layers` call them in training mode when com
 """
 from .activation import gelu_fn, relu_fn, softmax_fn
 from .conv import conv2d_fn
+from .cosine import normalize_fn, scale_fn
 from .linear import linear_fn
 from .matmul import matmul_fn
 from .norm import batch_norm_fn, layer_norm_fn
 
 __all__ = ["linear_fn", "conv2d_fn", "layer_norm_fn", "batch_norm_fn", "gelu_fn", "relu_fn",
-           "softmax_fn", "matmul_fn"]
+           "softmax_fn", "matmul_fn", "normalize_fn", "scale_fn"]

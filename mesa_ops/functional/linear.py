@@ -9,11 +9,28 @@ from ..packed import (adopt_saved, once_differentiable, release, save_for_backwa
                       saved_tensors)
 
 
+def _linear(x, w, b):
+    """F.linear(x, w, b), for an input of 3 or more dims as aten computes it (addmm on the
+    flattened rows, the same call, the same bits) but into an output that is not a view: a
+    custom Function's output that is a view may not be modified in place (an nn.ReLU(inplace=True)
+    after the layer raised "Output 0 of _Linear is a view and is being modified inplace")."""
+    if x.dim() <= 2 or not x.is_contiguous():
+        y = F.linear(x, w, b)
+        return y if y._base is None else y.clone()
+    out = x.new_empty(x.shape[:-1] + (w.shape[0],))
+    x2, o2 = x.view(-1, x.shape[-1]), out.view(-1, w.shape[0])
+    if b is None:
+        torch.mm(x2, w.t(), out=o2)
+    else:
+        torch.addmm(b, x2, w.t(), out=o2)
+    return out
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quant, cdt, amp16, rec):
         xc = as_dtype(x, cdt)
-        y = F.linear(xc, as_dtype(weight, cdt), as_dtype(bias, cdt))
+        y = _linear(xc, as_dtype(weight, cdt), as_dtype(bias, cdt))
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
