@@ -56,6 +56,7 @@ class Config:
     num_classes: int = 1000
     threads: int = 0
     optimizer: str = "sgd"  # or "adamw" (the paper's: one more parameter-sized state)
+    lora: int = 0  # LoRA rank (peft) on a frozen model: qkv, proj, fc1, fc2; 0 = full training
 
 
 @dataclass
@@ -91,10 +92,51 @@ def checkpoint_blocks(model: nn.Module, bits: int | None = None) -> list:
     return wrap_blocks(model, bits)
 
 
+# the blocks' qkv, proj, fc1, fc2 (not the patch embedding's conv, also named proj)
+LORA_TARGETS = r".*\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))"
+
+
+def _label(cfg: Config) -> str:
+    """The model column of a record: the model, and its LoRA rank if any."""
+    return cfg.model + (f" LoRA-{cfg.lora}" if cfg.lora else "")
+
+
+def lora_model(model: nn.Module, rank: int) -> nn.Module:
+    """``model`` fine-tuned with LoRA through peft, as LowMemoryBP's ViT experiments do
+    (arXiv 2406.16282; their config ``lora_all_ViT_B``: rank 4 on qkv, proj, fc1, fc2, the
+    head trained): every other parameter frozen, the adapters' B at zero (peft's init)."""
+    import peft
+
+    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS,
+                          modules_to_save=["head"])
+    return peft.get_peft_model(model, cfg)
+
+
+def _build_lora(cfg: Config) -> tuple[nn.Module, list]:
+    """The exact model, LoRA (peft) on it, then the mode: Mesa through ``ms.compress`` (the
+    adapters' Linears converted too; a frozen base Linear stores nothing), checkpointing."""
+    import mesa_ops as ms
+    from models import create_model
+
+    if cfg.mode.endswith("-explicit"):
+        raise ValueError(f"mode {cfg.mode!r} with LoRA: use exact, mesaN, ckpt, mesa8+ckpt or mesa8+cckpt")
+    model = lora_model(create_model(cfg.model, img_size=cfg.input_size, num_classes=cfg.num_classes),
+                       cfg.lora)
+    if cfg.mode.startswith("mesa"):
+        model = ms.compress(model, f"mesa{cfg.mode[4]}", warn=False)
+    if cfg.mode.endswith("+cckpt"):
+        wrapped = checkpoint_blocks(model, bits=8)
+    else:
+        wrapped = checkpoint_blocks(model) if cfg.mode.endswith("ckpt") else []
+    return model.to(cfg.device).train(), wrapped
+
+
 def build(cfg: Config) -> tuple[nn.Module, list]:
     from models import create_model
     from models.layers import set_attn_impl
 
+    if cfg.lora:
+        return _build_lora(cfg)
     policy = _mode_policy(cfg.model, cfg.mode)
     model = create_model(cfg.model, ms_policy=policy, img_size=cfg.input_size,
                          num_classes=cfg.num_classes)
@@ -128,10 +170,11 @@ OPTIMIZERS = ("sgd", "adamw")
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """SGD with momentum (one state per parameter) or AdamW as DeiT trains (lr 5e-4 x batch / 512,
     weight decay 0.05; two states per parameter)."""
+    params = [p for p in model.parameters() if p.requires_grad]  # (LoRA: the adapters and head)
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=5e-4 * cfg.batch / 512, weight_decay=0.05)
+        return torch.optim.AdamW(params, lr=5e-4 * cfg.batch / 512, weight_decay=0.05)
     raise ValueError(f"optimizer {cfg.optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
 
 
@@ -142,7 +185,7 @@ def dry_run(cfg: Config) -> Record:
     small = Config(**{**asdict(cfg), "device": "cpu", "batch": 1, "precision": "fp32"})
     _, _, _, step = _setup(small)
     step()
-    return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, cfg.device, 0, 0,
+    return Record(_label(cfg), cfg.mode, cfg.precision, cfg.batch, cfg.input_size, cfg.device, 0, 0,
                   float("nan"), dry_run=True)
 
 
@@ -209,7 +252,7 @@ def measure(cfg: Config) -> Record:
             if i >= cfg.warmup:
                 times.append(time.perf_counter() - t0)
     except torch.cuda.OutOfMemoryError:
-        return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, 0, 0,
+        return Record(_label(cfg), cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, 0, 0,
                       float("nan"), oom=True)
     if dev.startswith("cuda"):
         peak = torch.cuda.max_memory_allocated()
@@ -219,7 +262,7 @@ def measure(cfg: Config) -> Record:
     # the meter sees what a checkpointed block keeps (torch's checkpoint saves its inputs for
     # backward, the packed input of a compressed one likewise): counted once, here
     saved = meter.total_bytes
-    return Record(cfg.model, cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, saved,
+    return Record(_label(cfg), cfg.mode, cfg.precision, cfg.batch, cfg.input_size, dev, saved,
                   int(peak), statistics.median(times) if times else float("nan"),
                   by_type=dict(meter.by_type))
 

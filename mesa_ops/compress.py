@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import functional as MF
 from . import layers as L
+from .adapters import convert_lora_layers
 from .attention import QUANTIZERS, SDPA, head_layout
 from .quant import QuantMixin
 from .policy import (PolicyError, convert_by_num_groups, deploy_on_init, mark_prefix_tokens,
@@ -68,11 +69,15 @@ COMPRESSED_ATTENTION = (
     "timm.models.pvt_v2.Attention",
     "timm.models.cait.ClassAttn",     # CaiT / XCiT class attention: one query, the class token
     "timm.models.xcit.XCA",           # cross-covariance attention: (B, H, C/H, N), l2-normalized q, k
+    "timm.models.beit.Attention",     # BEiT: relative position bias as SDPA's mask
+    "timm.models.eva.EvaAttention",   # EVA-02: rotary embedding on q, k before SDPA
 )
 # timm modules computing F.gelu(x) / F.gelu(x, approximate='tanh') and nothing else
 _GELU_MODULES = {"timm.layers.activations.GELU": "none", "timm.layers.activations.GELUTanh": "tanh"}
 # leaf modules that save nothing for backward (or only per-sample scalars)
-_SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Unfold)
+_SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Unfold,
+                 # containers without a forward of their own (peft's empty lora_embedding_A, ...)
+                 nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList, nn.Sequential)
 _SAVE_NOTHING_NAMES = ("timm.layers.drop.DropPath", "timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool",
                        "timm.layers.format.Format",
                        # mmcv / mmseg (MesaCompressed): per-sample drop-path scalars; F.pad
@@ -94,12 +99,14 @@ class CompressReport:
     policy: str = ""
     audit: object = None                               # an AuditReport when example_inputs given
     verify: object = None                              # a VerifyReport when verify= is given
+    lora: int = 0                                      # peft LoRA layers (mesa_ops.adapters)
     groups: list = field(default_factory=list)         # (name, asked, channels, given): head counts
     # that do not divide a layer's channels, and the largest divisor below them the layer took
 
     def summary(self) -> str:
         conv = ", ".join(f"{k} {v}" for k, v in sorted(self.converted.items()))
-        lines = [f"mesa compress ({self.policy}): {conv}; {len(self.attention)} attention modules"]
+        lines = [f"mesa compress ({self.policy}): {conv}; {len(self.attention)} attention modules"
+                 + (f"; {self.lora} LoRA layers" if self.lora else "")]
         if self.groups:
             lines.append(f"groups changed ({len(self.groups)} layers: the head count does not divide "
                          "their channels):")
@@ -584,10 +591,11 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         if _is_timm_attention(m) and not isinstance(m, MesaAttentionMixin):
             _compress_attention(m)
     _convert_layers(model, quant_groups)
+    lora = convert_lora_layers(model)  # peft LoRA: A reuses the stored copy under autocast too
     groups = _fit_groups(model)
     mark_prefix_tokens(model)
     name = _apply_policy(model, policy)
-    report = CompressReport(policy=name, groups=groups)
+    report = CompressReport(policy=name, groups=groups, lora=lora)
     for _, m in mesa_layers(model):
         report.converted[type(m).__name__] = report.converted.get(type(m).__name__, 0) + 1
     report.attention = [n for n, m in model.named_modules() if isinstance(m, MesaAttentionMixin)]

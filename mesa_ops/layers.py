@@ -346,5 +346,17 @@ class Scale(_Layer, nn.Module):
         return x * s
 
 
+class LayerScaleBase(_Layer):
+    """The Mesa forward of timm's ``LayerScale`` / ``LayerScale2d`` (x * gamma, a learned
+    per-channel scale: DeiT-III, CaiT-style ViTs, ConvNeXt-like nets; mesa_ops.timm_layers):
+    x stored at ``bits`` bits for gamma's gradient, the gradient of x (g * gamma) exact."""
+
+    def _mesa_forward(self, x, gamma):
+        """``x * gamma`` through the Mesa op while active, else None (the caller's forward)."""
+        if not torch.jit.is_scripting() and gamma.requires_grad and self._active(x, gamma):
+            return MF.scale_fn(x, gamma, self)
+        return None
+
+
 MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
-               Softmax, MatMul, SDPA, BatchNormBase, Normalize, Scale)
+               Softmax, MatMul, SDPA, BatchNormBase, Normalize, Scale, LayerScaleBase)

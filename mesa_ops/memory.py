@@ -4,11 +4,13 @@ Counts every tensor that autograd saves (``torch.autograd.graph.saved_tensors_ho
 storage, excluding the storages of parameters (and of any tensor passed in ``exclude``), and
 attributes each storage to the innermost module running when it was first saved, by class name.
 A parameter's cast copy (autocast's low-precision weight, issue 35: ~10.8 of the 13.5 MiB a bf16
-ViT-Ti seemed to save) is counted apart, in ``weight_cast_bytes``.
+ViT-Ti seemed to save; a frozen one's too, as in LoRA fine-tuning) is counted apart, in
+``weight_cast_bytes``.
 
     with SavedActivationMeter(model) as meter:
         loss = model(x).sum()
     meter.total_bytes, meter.by_type   # e.g. {'Linear': 1.2e6, 'GELU': 4.1e5, ...}
+    meter.by_name                      # e.g. {'blocks.0.mlp.act': 4.1e5, ...}
 
 Parameters may be DTensors (FSDP2's ``fully_shard``): their local shards are excluded, and so are
 the unsharded parameters FSDP2 registers on a unit during its forward (read when the unit's
@@ -58,8 +60,12 @@ class SavedActivationMeter:
         self._seen: dict = {}
         self._casts: set = set()  # storages of parameters' cast copies (autocast's weight cache)
         self.by_type: dict[str, int] = defaultdict(int)
+        self.by_name: dict[str, int] = defaultdict(int)  # by the module's qualified name
+        self._names: dict = {}
         self._stack: list[str] = []
+        self._name_stack: list[str] = []
         self._running: list[set] = []  # per running module: its parameters' storages
+        self._frozen: list[list] = []  # per running module: its frozen floating parameters
         self._active: dict = defaultdict(int)
         self._handles = []
         self._hooks = None
@@ -67,18 +73,24 @@ class SavedActivationMeter:
     # module stack, for attribution
     def _pre(self, module, args):
         self._stack.append(type(module).__name__)
+        self._name_stack.append(self._names.get(id(module), ""))
         # the parameters registered now, while the module runs: of an FSDP2 unit, the unsharded
         # ones all-gathered for its forward (freed after it: their addresses may hold
         # activations later), not activations
         params = module.parameters() if isinstance(module, FSDPModule) else module._parameters.values()
         keys = {_storage_key(p)[0] for p in params if p is not None and p.device.type != "meta"}
         self._running.append(keys)
+        self._frozen.append([p for p in module._parameters.values()
+                             if p is not None and not p.requires_grad and p.is_floating_point()])
         for k in keys:
             self._active[k] += 1
 
     def _post(self, module, args, out):
         if self._stack:
             self._stack.pop()
+            self._name_stack.pop()
+        if self._frozen:
+            self._frozen.pop()
         if self._running:
             for k in self._running.pop():
                 self._active[k] -= 1
@@ -88,9 +100,16 @@ class SavedActivationMeter:
     def _param_cast(self, t: torch.Tensor) -> bool:
         """``t`` is a cast copy of a parameter (autocast's cached low-precision weight: its
         autograd node is a copy whose input is the parameter's gradient accumulator), or a view
-        of one (a linear saves the cast weight transposed)."""
-        fn = (t if t._base is None else t._base).grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+        of one (a linear saves the cast weight transposed). A frozen parameter's cast (LoRA's
+        base weights) has no autograd node: it is the cast of a frozen parameter of a running
+        module, same shape, same values."""
+        base = t if t._base is None else t._base
+        fn = base.grad_fn
+        if fn is None:
+            return any(base.shape == p.shape and base.dtype != p.dtype and not isinstance(p, DTensor)
+                       and base.device == p.device and torch.equal(base, p.detach().to(base.dtype))
+                       for ps in self._frozen for p in ps)
+        if type(fn).__name__ != "ToCopyBackward0":
             return False
         for nxt, _ in fn.next_functions:
             var = getattr(nxt, "variable", None)
@@ -107,6 +126,7 @@ class SavedActivationMeter:
                     self._casts.add(key)
                 else:
                     self.by_type[self._stack[-1] if self._stack else "(no module)"] += nbytes
+                    self.by_name[self._name_stack[-1] if self._name_stack else "(no module)"] += nbytes
         return t
 
     @staticmethod
@@ -115,6 +135,7 @@ class SavedActivationMeter:
 
     def __enter__(self):
         if self.model is not None:
+            self._names = {id(m): n for n, m in self.model.named_modules()}
             for m in self.model.modules():
                 self._handles.append(m.register_forward_pre_hook(self._pre))
                 self._handles.append(m.register_forward_hook(self._post))
@@ -128,6 +149,7 @@ class SavedActivationMeter:
             h.remove()
         self._handles.clear()
         self.by_type = dict(self.by_type)
+        self.by_name = dict(self.by_name)
         return False
 
     @property

@@ -333,7 +333,8 @@ _CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm
                 nn.SyncBatchNorm, nn.GELU, nn.Softmax, nn.ReLU)
 # subclasses with their own forward that Mesa has a version of (mesa_ops.timm_layers): the
 # module's class is swapped in place, its children converted as any others
-_SWAPPABLE = {"timm.layers.norm_act.BatchNormAct2d"}
+_SWAPPABLE = {"timm.layers.norm_act.BatchNormAct2d", "timm.layers.layer_scale.LayerScale",
+              "timm.layers.layer_scale.LayerScale2d", "timm.models.vision_transformer.LayerScale"}
 _SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm",
                  # mmcv's wrappers (mmseg / mmdet backbones): their forward special-cases empty
                  # inputs on torch < 1.4 / 1.5 only, and is the base forward otherwise
@@ -415,9 +416,13 @@ def _swap_class(child: nn.Module, g_of) -> nn.Module | None:
         return None
     from .timm_layers import SWAPS
 
-    child.__class__ = SWAPS[f"{cls.__module__}.{cls.__qualname__}"]
+    swap = SWAPS.get(f"{cls.__module__}.{cls.__qualname__}")
+    if swap is None:  # (a name of another timm version)
+        return None
+    mesa_cls, tag, channels = swap
+    child.__class__ = mesa_cls
     ref = _first_tensor(child)
-    child._init_quant(g_of(child.num_features), tag="bn")
+    child._init_quant(g_of(channels(child)), tag=tag)
     if ref is not None and ref.device.type != "meta":
         for b in ("clip_val", "shift", "iteration"):
             child._buffers[b] = child._buffers[b].to(ref.device)

@@ -38,6 +38,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-batch", type=int, default=2048)
     ap.add_argument("--optimizer", choices=B.OPTIMIZERS, default="sgd",
                     help="sgd (momentum) or adamw (the paper's, as scripts/cuda_check.sh measures)")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK",
+                    help="LoRA fine-tuning (peft) at this rank on qkv, proj, fc1, fc2, the rest "
+                         "frozen (LowMemoryBP's ViT setting: 4); needs peft")
     ap.add_argument("--dry-run", action="store_true",
                     help="build every (model, mode) and step it once at batch 1 on the CPU; write "
                          "the output files with no figures (scripts/cuda_check.sh --rehearse)")
@@ -63,7 +66,7 @@ def main(argv=None) -> None:
         ap.error("--in-process measures CUDA memory only; on CPU each configuration needs its own "
                  "process (peak RSS)")
     configs = [B.Config(m, md, bs, args.input_size, prec, args.steps, args.warmup, args.device,
-                        optimizer=args.optimizer)
+                        optimizer=args.optimizer, lora=args.lora)
                for prec in args.precision for bs in args.batch_size for m in args.model for md in modes]
     records, budgets = [], {}
     if args.dry_run:
