@@ -4,7 +4,8 @@
 //
 //   minmax_kernel    per-group min/max/non-finite partials of a (outer, G, inner) tensor (grid
 //                    (chunks, G), one block-level reduction per chunk); the last block to finish
-//                    reduces the partials and finalizes: the (2, G) min/max, or the running-range
+//                    reduces the partials (few groups: each group's chunks by the whole block;
+//                    many: a thread per group) and finalizes: the (2, G) min/max, or the running-range
 //                    update of (clip_val, shift, iteration) with the (4, G) rows it quantizes with
 //                    (quant_math.h's finalize_group, as the CPU kernel)
 //   quantize_kernel  packed codes, one thread per output byte; x read in place when row-strided
@@ -176,18 +177,54 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
   }
   __syncthreads();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (I q = tid; q < G; q += blockDim.x) {
-    float l = inf, h = -inf, b = 0.0f;
-    for (I c = 0; c < chunks; ++c) {
-      const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
-      l = pl < l ? pl : l;
-      h = ph > h ? ph : h;
-      b = part[(2 * G + q) * chunks + c] > b ? 1.0f : b;
+  if (G * 4 >= static_cast<I>(blockDim.x) || chunks <= 4) {
+    // many groups or few chunks: one thread per group walks its chunks
+    for (I q = tid; q < G; q += blockDim.x) {
+      float l = inf, h = -inf, b = 0.0f;
+      for (I c = 0; c < chunks; ++c) {
+        const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
+        l = pl < l ? pl : l;
+        h = ph > h ? ph : h;
+        b = part[(2 * G + q) * chunks + c] > b ? 1.0f : b;
+      }
+      const bool f = b == 0.0f && finite_range(l, h);
+      part[(0 * G + q) * chunks] = f ? l : nan;
+      part[(1 * G + q) * chunks] = f ? h : nan;
+      if (!f) s_any_bad = 1;  // (every writer writes 1)
     }
-    const bool f = b == 0.0f && finite_range(l, h);
-    part[(0 * G + q) * chunks] = f ? l : nan;
-    part[(1 * G + q) * chunks] = f ? h : nan;
-    if (!f) s_any_bad = 1;  // (every writer writes 1)
+  } else {
+    // few groups, many chunks (G = 1: up to 2048 chunks): each group's chunks reduced by the
+    // whole block, strided loads then a tree in shared memory, instead of one thread walking
+    // them all while the others wait (min, max and the flag do not depend on the order)
+    for (I q = 0; q < G; ++q) {
+      float l = inf, h = -inf;
+      int b = 0;
+      for (I c = tid; c < chunks; c += blockDim.x) {
+        const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
+        l = pl < l ? pl : l;
+        h = ph > h ? ph : h;
+        b |= part[(2 * G + q) * chunks + c] != 0.0f ? 1 : 0;
+      }
+      s_lo[tid] = l;
+      s_hi[tid] = h;
+      s_bad[tid] = b;
+      __syncthreads();
+      for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+        if (tid < half) {
+          s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
+          s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
+          s_bad[tid] |= s_bad[tid + half];
+        }
+        __syncthreads();
+      }
+      if (tid == 0) {
+        const bool f = s_bad[0] == 0 && finite_range(s_lo[0], s_hi[0]);
+        part[(0 * G + q) * chunks] = f ? s_lo[0] : nan;
+        part[(1 * G + q) * chunks] = f ? s_hi[0] : nan;
+        if (!f) s_any_bad = 1;
+      }
+      __syncthreads();  // (s_lo / s_hi / s_bad are the next group's)
+    }
   }
   __syncthreads();
   const bool ok = s_any_bad == 0 && fin.update;

@@ -481,14 +481,20 @@ def _checked(be, device, dtype, bits):
 
 def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
     """Quantize, dequantize and restore through a table a small tensor (odd sizes, three groups,
-    a strided view, an outlier beyond the running range) by the kernels of ``be`` and by the
-    reference on ``device``; returns None when every result is identical, else what differs."""
+    a strided view, an outlier beyond the running range) and a long one (one group of 13 chunks,
+    whose range the CUDA kernel's last block reduces with the whole block) by the kernels of
+    ``be`` and by the reference on ``device``; returns None when every result is identical, else
+    what differs."""
     gen = torch.Generator().manual_seed(1234)
     base = (torch.randn(2, 7, 3 * 40, generator=gen) * 2 + 0.25)
     base[0, 3, 5] = 40.0  # beyond the running range below: the range rule is exercised
     full = base.to(device=device, dtype=dtype)
+    long = (torch.randn(12 * 2048 + 7, generator=gen) * 2 - 0.5)
+    long[9000] = 35.0  # (the max in a middle chunk)
+    long = long.to(device=device, dtype=dtype)
     problems = []
-    for name, x, g, inner in (("contiguous", full, 3, 40), ("row-strided", full[..., :80], 2, 40)):
+    for name, x, g, inner in (("contiguous", full, 3, 40), ("row-strided", full[..., :80], 2, 40),
+                              ("many-chunk", long, 1, long.numel())):
         st = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
               torch.ones(1, device=device)]
         st_ref = [s.clone() for s in st]

@@ -145,6 +145,33 @@ def test_range_update_equals_cpu_over_steps(emu, cpu, index64, layout, mode):
             assert torch.equal(s2, s1), step
 
 
+# (numel, G, inner) with many chunks per group: the last block reduces each group's chunks
+# with the whole block (G * 4 < 256 threads, more than 4 chunks): 41 chunks per group; 300
+# chunks, more than the block's threads; and one non-finite value in one chunk
+MANY_CHUNKS = {"G=2,41-chunks": (2 * (2048 * 40 + 5), 2, 2048 * 40 + 5),
+               "G=1,300-chunks": (2048 * 300, 1, 2048 * 300),
+               "G=3,inner=1,9-chunks": (3 * 2048 * 9, 3, 1)}
+
+
+@pytest.mark.parametrize("layout", list(MANY_CHUNKS))
+def test_finalize_across_many_chunks_equals_cpu(emu, cpu, index64, layout):
+    n, g, inner = MANY_CHUNKS[layout]
+    x = _input(n, torch.float32, seed=3)
+    x[n // 2 + 17] = 30.0  # the max lies in a middle chunk
+    assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(x, g, inner))
+    sc, se = _state(g), _state(g)
+    for step, scale in enumerate((1.0, 2.5)):
+        a = cpu.range_update_cpu(x * scale, g, inner, *sc, 0.9, 0.1, reference.EMA, 8, True)
+        b = emu.range_update_cuda(x * scale, g, inner, *se, 0.9, 0.1, reference.EMA, 8, True)
+        assert torch.equal(b, a), step
+        assert all(torch.equal(s2, s1) for s1, s2 in zip(sc, se)), step
+    bad = x.clone()
+    bad[n // 3] = float("inf")
+    a = cpu.range_update_cpu(bad, g, inner, *_state(g), 0.9, 0.1, reference.EMA, 8, True)
+    b = emu.range_update_cuda(bad, g, inner, *_state(g), 0.9, 0.1, reference.EMA, 8, True)
+    assert torch.equal(b.isnan(), a.isnan()) and torch.equal(b.nan_to_num(), a.nan_to_num())
+
+
 def test_nonfinite_and_overflowing_groups_are_flagged(emu, cpu):
     x = torch.randn(2, 4, 100)
     x[0, 1, 3] = float("nan")
@@ -229,3 +256,12 @@ def test_emulated_ops_check_their_arguments(emu):
     with pytest.raises(RuntimeError, match="range_mode must be"):
         emu.range_update_cuda(x, 1, 16, torch.ones(1), torch.zeros(1), torch.zeros(1), 0.9, 0.1,
                               5, 8, True)
+
+
+@pytest.mark.parametrize("bits", (8, 2))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=["float32", "float16"])
+def test_runtime_self_check_passes_on_the_emulated_kernels(emu, dtype, bits):
+    """backend.self_check, which a GPU run passes before its first quantize, run on the emulated
+    CUDA kernels: its long case takes the last block's whole-block reduction of many chunks."""
+    be = backend._Extension(emu, "cuda")
+    assert backend.self_check(be, torch.device("cpu"), dtype, bits) is None
