@@ -206,3 +206,92 @@ def counting_host_syncs():
     counter = HostSyncCounter()
     with counter:
         yield counter
+
+
+# Mesa's kernels on fake CUDA are backend._FakeKernels' methods (shapes only); the launches each
+# makes on a GPU, read off cuda/quant_cuda.cu: quantize_step = the counter's zero fill (at::zeros),
+# minmax_kernel, quantize_kernel; group_minmax / range_update = zero fill + minmax_kernel
+MESA_KERNEL_LAUNCHES = {"quantize_step": 3, "quantize": 1, "dequantize": 1, "dequantize_out": 1,
+                        "lut_apply_out": 1, "levels": 1, "group_minmax": 2, "range_update": 2}
+_NO_LAUNCH = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
+              "_unsafe_view", "lift_fresh", "alias")  # allocations and aliases
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the kernel launches a step would make on a GPU: every aten op on CUDA tensors
+    except views, aliases and allocations (one launch each: an estimate, some ops launch two),
+    and Mesa's kernels by :data:`MESA_KERNEL_LAUNCHES` (:func:`counting_launches` wraps them).
+    ``by_op``: launches per op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+        self.depth = 0  # inside a Mesa kernel
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.by_op[name] = self.by_op.get(name, 0) + n
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_op.values())
+
+    @property
+    def mesa(self) -> int:
+        return sum(v for k, v in self.by_op.items() if k.startswith("mesa."))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self.depth == 0 and not func.is_view and name not in _NO_LAUNCH:
+            flat = out if isinstance(out, (tuple, list)) else (out,)
+            if any(_is_cuda(t) for t in flat):  # (not .device / .size queries)
+                self.add(name)
+        return out
+
+
+@contextlib.contextmanager
+def counting_launches():
+    """A :class:`LaunchCounter` active, Mesa's fake kernels counted too."""
+    from mesa_ops import backend as be
+
+    counter = LaunchCounter()
+    saved = {}
+    for name, n in MESA_KERNEL_LAUNCHES.items():
+        fn = be._FakeKernels.__dict__.get(name)
+        if fn is None:
+            continue
+        saved[name] = fn
+        inner = fn.__func__ if isinstance(fn, staticmethod) else fn
+
+        def wrapped(*a, _inner=inner, _name=name, _n=n, **k):
+            if counter.depth == 0:  # (quantize_step calls quantize: one launch count)
+                counter.add(f"mesa.{_name}", _n)
+            counter.depth += 1
+            try:
+                return _inner(*a, **k)
+            finally:
+                counter.depth -= 1
+        setattr(be._FakeKernels, name, staticmethod(wrapped))
+    try:
+        with counter:
+            yield counter
+    finally:
+        for name, fn in saved.items():
+            setattr(be._FakeKernels, name, fn)
+
+
+class FlashLikeSDPA(torch.overrides.TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` of half-precision q, k, v without a mask run as the
+    flash kernel, as a GPU would pick it (on fake CUDA PyTorch takes the math path: a dozen ops)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        F = torch.nn.functional
+        if (func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None
+                and len(args) == 3 and args[0].dtype in (torch.float16, torch.bfloat16)):
+            q, k, v = args
+            return aten._scaled_dot_product_flash_attention(
+                q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
