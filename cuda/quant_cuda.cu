@@ -580,12 +580,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
                              update)
                  : 0;
   auto rows = at::empty({4, groups}, x.options().dtype(at::kFloat));
-  launch_minmax(x, groups, inner, mean, rstd, rn_len,
+  // a layout the kernels cannot read in place is made contiguous once, for both launches
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  launch_minmax(xr, groups, inner, mean, rstd, rn_len,
                 range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
                                range_mode, bits, update, mark_nonfinite));
-  auto packed = packed_for(x, bits);
+  auto packed = packed_for(xr, bits);
   const float* r = rows.data_ptr<float>();
-  launch_quantize(x, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
+  launch_quantize(xr, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
                   packed.data_ptr<uint8_t>(), mean, rstd, rn_len);
   return {packed, rows.select(0, 1), rows.select(0, 2), rows};
 }
