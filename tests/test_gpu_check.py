@@ -62,17 +62,16 @@ def test_offline_deps_unpacks_what_is_missing_or_too_old(tmp_path):
                          env=dict(os.environ, PYTHONPATH=str(target)), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2.1.0", "2.1.0", "7"]
-    # now present at 2.1.0 (on the path): a floor of 2.0 is met, one of 3.0 is not
-    sys.path.insert(0, str(target))
-    try:
-        assert od.plan(required, {})[0] == []
-        todo, report = od.plan(required, {"mesa_fake_dep": "3.0"})
-        assert todo == ["mesa_fake_dep"] and "2.1.0 is older than 3.0" in report[0]
-    finally:
-        sys.path.remove(str(target))
-        for m in ("mesa_fake_dep", "mesa_fake_dep_ext", "mesa_fake_sub"):
-            sys.modules.pop(m, None)
-
+    # now present at 2.1.0 (on the path, as cuda_check.sh puts it): a floor of 2.0 is met, one of
+    # 3.0 is not (planned in a process whose PYTHONPATH has the target, as above)
+    code = ("import json, sys; sys.argv = ['x']; import offline_deps as od; "
+            f"req = {{'mesa_fake_dep': ('mesa_fake_dep', '2.0', {{'mesa_fake_sub': 'mesa_fake_sub'}})}}; "
+            "print(json.dumps([od.plan(req, {}), od.plan(req, {'mesa_fake_dep': '3.0'})]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=f"{target}{os.pathsep}{ROOT / 'scripts'}"))
+    assert out.returncode == 0, out.stderr
+    (met, _), (todo, report) = json.loads(out.stdout.splitlines()[-1])
+    assert met == [] and todo == ["mesa_fake_dep"] and "2.1.0 is older than 3.0" in report[0]
 
 def test_offline_deps_names_a_wheel_the_folder_lacks(tmp_path, monkeypatch):
     od = _offline_deps()
