@@ -106,6 +106,25 @@ __device__ __forceinline__ bool nonfinite(float v) {
   return nonfinite_bits(b);
 }
 
+// Every thread of the block passes its (lo, hi, non-finite flag); the block's min, max and
+// flag end up in s_lo[0], s_hi[0], s_bad[0] (a tree in shared memory; all threads must call).
+__device__ __forceinline__ void block_minmax(float lo, float hi, int bad, float* s_lo, float* s_hi,
+                                             int* s_bad) {
+  const unsigned tid = threadIdx.x;
+  s_lo[tid] = lo;
+  s_hi[tid] = hi;
+  s_bad[tid] = bad;
+  __syncthreads();
+  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
+    if (tid < half) {
+      s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
+      s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
+      s_bad[tid] |= s_bad[tid + half];
+    }
+    __syncthreads();
+  }
+}
+
 // What the last block of minmax_kernel does with the per-group min/max.
 struct Finalize {
   int op;  // kMinMax: (2, G) min/max into mm; kRange: the range update and its (4, G) rows
@@ -148,18 +167,7 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
     hi = v > hi ? v : hi;
     bad |= nonfinite(v) ? 1 : 0;
   }
-  s_lo[tid] = lo;
-  s_hi[tid] = hi;
-  s_bad[tid] = bad;
-  __syncthreads();
-  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-    if (tid < half) {
-      s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
-      s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
-      s_bad[tid] |= s_bad[tid + half];
-    }
-    __syncthreads();
-  }
+  block_minmax(lo, hi, bad, s_lo, s_hi, s_bad);
   if (tid == 0) {
     part[(0 * G + g) * chunks + blockIdx.x] = s_lo[0];
     part[(1 * G + g) * chunks + blockIdx.x] = s_hi[0];
@@ -205,18 +213,7 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
         h = ph > h ? ph : h;
         b |= part[(2 * G + q) * chunks + c] != 0.0f ? 1 : 0;
       }
-      s_lo[tid] = l;
-      s_hi[tid] = h;
-      s_bad[tid] = b;
-      __syncthreads();
-      for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-        if (tid < half) {
-          s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
-          s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
-          s_bad[tid] |= s_bad[tid + half];
-        }
-        __syncthreads();
-      }
+      block_minmax(l, h, b, s_lo, s_hi, s_bad);
       if (tid == 0) {
         const bool f = s_bad[0] == 0 && finite_range(s_lo[0], s_hi[0]);
         part[(0 * G + q) * chunks] = f ? s_lo[0] : nan;
