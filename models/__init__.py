@@ -11,11 +11,11 @@ Importing this package also registers every model with timm as ``mesa_<name>``; 
 timm's model contract (``features_only``, ``forward_intermediates``, ``group_matcher``,
 ``set_grad_checkpointing``, ``pretrained_cfg``: see :mod:`models.timm_api`).
 """
-from . import checkpoint, demo, layers, registry, timm_api
+from . import checkpoint, demo, export, layers, registry, timm_api
 from .checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from .registry import MESA_TAGS, TIMM_PREFIX, apply_policy, create_model, is_model, list_models
 from . import deit, pvt, swin  # noqa: E402  (registers the models)
 
 __all__ = ["create_model", "list_models", "is_model", "load_checkpoint", "save_checkpoint", "apply_policy",
            "CheckpointError", "LoadReport", "MESA_TAGS", "TIMM_PREFIX", "deit", "swin", "pvt", "layers",
-           "checkpoint", "registry", "timm_api", "demo"]
+           "checkpoint", "export", "registry", "timm_api", "demo"]

@@ -69,6 +69,9 @@ class LoadReport:
     missing_quantizer_keys: list = field(default_factory=list)
     ignored_quantizer_keys: list = field(default_factory=list)
     resized_keys: list = field(default_factory=list)
+    # quantizers whose state did not fit (other group counts): (name, checkpoint shape, model
+    # shape); with ``reset_quantizers`` they keep their initial state and start afresh
+    reset_quantizers: list = field(default_factory=list)
     derived_keys: list = field(default_factory=list)
     skipped_keys: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)
@@ -79,11 +82,21 @@ class LoadReport:
             parts.append(f"{len(self.missing_quantizer_keys)} quantizer keys missing (initial values kept)")
         if self.ignored_quantizer_keys:
             parts.append(f"{len(self.ignored_quantizer_keys)} quantizer keys ignored (no Mesa layer here)")
+        if self.reset_quantizers:
+            parts.append(self.reset_line())
         if self.resized_keys:
             parts.append(f"resized {', '.join(self.resized_keys)}")
         if self.skipped_keys:
             parts.append(f"skipped {', '.join(self.skipped_keys)}")
         return "; ".join(parts)
+
+    def reset_line(self, outcome: str = "start afresh") -> str:
+        """One line on the quantizers whose state did not fit (empty when none)."""
+        if not self.reset_quantizers:
+            return ""
+        name, a, b = self.reset_quantizers[0]
+        return (f"{len(self.reset_quantizers)} quantizers' state did not fit this model's groups and was not "
+                f"loaded (e.g. {name}: checkpoint {a} vs model {b}): they {outcome}")
 
 
 # ---- checksum ------------------------------------------------------------------------------------
@@ -144,16 +157,40 @@ def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://", "file://"))
 
 
-def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True):
-    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default),
-    its checksum verified when it has one (see the module docstring). A URL is downloaded into
-    torch.hub's cache (``<torch.hub.get_dir()>/checkpoints/<file name>``) unless already there; one
-    that cannot be fetched raises :class:`CheckpointError` saying so and where a manual download
-    goes."""
+# what a refusal of ``weights_only=True`` tells the caller to do (the tools name their own flag)
+TRUST_REMEDY = "If you trust this file, pass weights_only=False."
+
+
+def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True, *,
+                    trust_remedy: str = TRUST_REMEDY):
+    """The object stored at a path or URL (``torch.load`` / ``torch.hub``, weights_only by default;
+    a ``.safetensors`` file: its state dict, through ``safetensors.torch.load_file``), its checksum
+    verified when it has one (see the module docstring). A URL is downloaded into torch.hub's cache
+    (``<torch.hub.get_dir()>/checkpoints/<file name>``) unless already there; one that cannot be
+    fetched raises :class:`CheckpointError` saying so and where a manual download goes. A file
+    holding objects ``weights_only=True`` refuses (e.g. the yacs ``CfgNode`` of the official Swin
+    code's checkpoints) raises :class:`CheckpointError` naming the object and ``trust_remedy``."""
     src = os.fspath(path_or_url)
-    obj = _read(src, map_location, weights_only)
+    obj = _read(src, map_location, weights_only, trust_remedy)
     verify_checksum(obj, src)
     return obj
+
+
+def is_safetensors(src: str) -> bool:
+    """A ``.safetensors`` path or URL (by name: the format has no magic number)."""
+    return urllib.parse.urlparse(src).path.endswith(".safetensors") if _is_url(src) else \
+        src.endswith(".safetensors")
+
+
+def _read_safetensors(path: str, map_location) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
+    try:
+        return load_file(path, device=device)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc})") from exc
 
 
 def hub_cache_path(url: str) -> str:
@@ -176,15 +213,19 @@ def _download(url: str) -> None:
                               "a local path") from exc
 
 
-def _read(src: str, map_location, weights_only: bool):
+def _read(src: str, map_location, weights_only: bool, trust_remedy: str = TRUST_REMEDY):
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             if _is_url(src):
                 _download(src)
+                if is_safetensors(src):
+                    return _read_safetensors(hub_cache_path(src), map_location)
                 return torch.hub.load_state_dict_from_url(src, map_location=map_location, progress=False,
                                                           weights_only=weights_only)
             if not os.path.isfile(src):
                 raise CheckpointError(f"checkpoint not found: {src}")
+            if is_safetensors(src):
+                return _read_safetensors(src, map_location)
             return torch.load(src, map_location=map_location, weights_only=weights_only)
     except CheckpointError:
         raise
@@ -192,8 +233,8 @@ def _read(src: str, map_location, weights_only: bool):
         if weights_only and "Weights only load failed" in str(exc):
             lines = [ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln]
             raise CheckpointError(
-                f"{src}: holds objects torch.load(weights_only=True) refuses ({lines[0] if lines else exc}). "
-                "If you trust this file, pass weights_only=False.") from exc
+                f"{src}: holds objects torch.load(weights_only=True) refuses "
+                f"({lines[0] if lines else str(exc).splitlines()[0]}). {trust_remedy}") from exc
         raise CheckpointError(f"{src}: not a readable PyTorch checkpoint ({exc})") from exc
     except (RuntimeError, EOFError, IndexError, KeyError, ValueError, TypeError, OSError) as exc:
         raise CheckpointError(
@@ -329,11 +370,15 @@ def _other_model(model, own, sd, meta, qkeys, mismatched, missing, unexpected) -
 
 
 def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool = True,
-                    map_location="cpu", verbose=None) -> LoadReport:
+                    map_location="cpu", verbose=None, reset_quantizers: bool = False) -> LoadReport:
     """Load ``checkpoint`` (path, URL or an already loaded dict) into ``model``; see the module
     docstring for what is accepted. ``skip``: fnmatch patterns of keys to leave at the model's
-    values (e.g. ``("head.*",)`` to fine-tune with another number of classes). Raises
-    :class:`CheckpointError` naming every key that does not fit."""
+    values (e.g. ``("head.*",)`` to fine-tune with another number of classes).
+    ``reset_quantizers``: a quantizer whose state does not fit (the checkpoint was trained with
+    other group counts, e.g. the original Mesa's ``convert_by_num_groups(model, 3)`` on the stem)
+    keeps its initial state, all of it, and starts afresh (listed in
+    ``LoadReport.reset_quantizers``) instead of failing. Raises :class:`CheckpointError` naming
+    every key that does not fit."""
     verbose = verbose or _log.info
     if isinstance(checkpoint, dict):
         source, obj = "<state dict>", checkpoint
@@ -341,10 +386,11 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
         source = os.fspath(checkpoint)
         obj = read_checkpoint(source, map_location=map_location, weights_only=weights_only)
     sd, meta = extract_state_dict(obj, source)
-    to_load, report = match_state_dict(model, sd, meta, source, skip=skip)
+    to_load, report = match_state_dict(model, sd, meta, source, skip=skip, reset_quantizers=reset_quantizers)
     result = model.load_state_dict(to_load, strict=False)
+    reset = {f"{q}.{b}" if q else b for q, _, _ in report.reset_quantizers for b in QUANT_BUFFERS}
     leftover = [k for k in result.missing_keys if k not in report.missing_quantizer_keys
-                and k not in report.skipped_keys and k not in report.derived_keys]
+                and k not in report.skipped_keys and k not in report.derived_keys and k not in reset]
     if leftover or result.unexpected_keys:  # cannot happen after the checks of match_state_dict
         raise CheckpointError(f"{source}: load_state_dict left {leftover} missing and "
                               f"{result.unexpected_keys} unexpected")
@@ -353,12 +399,17 @@ def load_checkpoint(model: nn.Module, checkpoint, *, skip=(), weights_only: bool
 
 
 def match_state_dict(model: nn.Module, sd: dict, meta: dict | None = None, source: str = "checkpoint", *,
-                     skip=(), leave=()) -> tuple[dict, LoadReport]:
+                     skip=(), leave=(), reset_quantizers: bool = False) -> tuple[dict, LoadReport]:
     """The tensors of state dict ``sd`` to load into ``model`` (resized where the model resizes
     them) and the :class:`LoadReport`; raises :class:`CheckpointError` naming every key that does
     not fit. ``leave``: keys passed on as the checkpoint has them, unchecked (those timm's loader
-    adapts: the first conv, the classifier)."""
+    adapts: the first conv, the classifier). ``reset_quantizers``: see :func:`load_checkpoint`.
+    A state dict in another library's key layout is first brought to the model's by the model's
+    ``checkpoint_filter(sd)`` where it has one (Swin: timm's layout -> the official one)."""
     meta = meta or {}
+    filt = getattr(model, "checkpoint_filter", None)
+    if filt is not None:
+        sd = filt(sd)
     own = model.state_dict()
     qkeys = quantizer_keys(model)
     suffixes = set(getattr(model, "derived_buffers", ()))
@@ -394,6 +445,8 @@ def match_state_dict(model: nn.Module, sd: dict, meta: dict | None = None, sourc
             report.resized_keys.append(f"{k} {tuple(v.shape)}->{tuple(new.shape)}")
             v = new
         to_load[k] = v
+    if reset_quantizers and mismatched:
+        _reset_mismatched_quantizers(sd, own, qkeys, mismatched, to_load, report)
     # a quantizer's draw counter absent beside its iteration (older checkpoints) follows it
     derived |= {k for k in own if k.endswith(".draws") and k in qkeys and k not in to_load
                 and k[:-len("draws")] + "iteration" in to_load}
@@ -414,14 +467,31 @@ def match_state_dict(model: nn.Module, sd: dict, meta: dict | None = None, sourc
     if mismatched:
         hint = ""
         if all(k.split(":")[0] in qkeys for k in mismatched):
-            hint = ("\n(quantizer group counts differ: build the model with the quant_groups / "
-                    "quant_group_size the checkpoint was trained with, e.g. quant_group_size=32 for "
-                    "the original Swin demo)")
+            hint = ("\n(quantizer group counts differ: load with reset_quantizers=True (tools/train.py does) "
+                    "to take the weights and start those quantizers afresh, or build the model with the "
+                    "quant_groups / quant_group_size the checkpoint was trained with)")
         problems.append(f"shape mismatch ({len(mismatched)}):{_fmt(mismatched)}{hint}")
     if problems:
         raise CheckpointError(f"{source} does not fit {type(model).__name__}:\n" + "\n".join(problems))
     report.loaded_keys = sorted(to_load)
     return to_load, report
+
+
+def _reset_mismatched_quantizers(sd, own, qkeys, mismatched, to_load, report) -> None:
+    """Take every quantizer with a mis-shaped entry out of ``mismatched`` and ``to_load`` (all of
+    its entries: a range kept beside another's iteration count would be wrong) into
+    ``report.reset_quantizers``."""
+    names = {}
+    for m in mismatched:
+        k = m.split(":")[0]
+        if k in qkeys:
+            names.setdefault(k.rsplit(".", 1)[0] if "." in k else "", k)
+    for q, k in names.items():
+        report.reset_quantizers.append((q, tuple(sd[k].shape), tuple(own[k].shape)))
+        for b in QUANT_BUFFERS:
+            to_load.pop(f"{q}.{b}" if q else b, None)
+    mismatched[:] = [m for m in mismatched if m.split(":")[0] not in qkeys]
+    report.reset_quantizers.sort()
 
 
 def _cfg_names(value) -> list[str]:

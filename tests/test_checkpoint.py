@@ -250,8 +250,10 @@ def test_quantizer_group_mismatch_fails_with_hint():
                                quant_group_size=32)
     ours = models.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4)
     with pytest.raises(CheckpointError, match=r"(?s)layers.0.blocks.0.mlp.act.clip_val: checkpoint "
-                                              r"\(12,\) vs model \(3,\).*quant_group_size=32"):
+                                              r"\(12,\) vs model \(3,\).*reset_quantizers=True.*quant_group_size"):
         models.load_checkpoint(ours, demo.state_dict(), verbose=quiet)
+    report = models.load_checkpoint(ours, demo.state_dict(), verbose=quiet, reset_quantizers=True)
+    assert ("layers.0.blocks.0.mlp.act", (12,), (3,)) in report.reset_quantizers
     models.load_checkpoint(models.create_model("swin_tiny_patch4_window7_224", img_size=64, window_size=4,
                                                quant_group_size=32), demo.state_dict(), verbose=quiet)
 

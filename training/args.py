@@ -145,6 +145,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
           help="autocast precision (default: fp16 on CUDA, none on CPU)")
     g.add("--seed", type=int, default=0)
     g.add("--resume", default="", metavar="PATH_OR_URL", help="checkpoint to continue from (or evaluate)")
+    g.add("--trust-checkpoint", action="store_true",
+          help="read --resume / --finetune with torch.load(weights_only=False): a full checkpoint of another "
+               "code base (argparse / yacs config objects); it can run code, so only for files you trust")
     g.add("--start-epoch", type=int, default=0)
     g.add("--eval", action="store_true", help="evaluate only")
     g.add("--dist-eval", action="store_true", help="shard evaluation across ranks")

@@ -136,12 +136,13 @@ def build_model(args, num_classes: int):
     except TypeError as exc:
         raise UsageError(f"--model {args.model} with {kwargs}: {exc}") from exc
     if args.finetune:  # as DeiT: a classifier of another shape stays at its initialisation
-        sd, _ = models.checkpoint.extract_state_dict(models.checkpoint.read_checkpoint(args.finetune),
-                                                     args.finetune)
+        sd, _ = models.checkpoint.extract_state_dict(read_checkpoint(args, args.finetune), args.finetune)
+        filt = getattr(model, "checkpoint_filter", None)
+        sd = filt(sd) if filt is not None else sd
         own = model.state_dict()
         skip = [k for k in sd
                 if k.startswith(("head.", "head_dist.")) and k in own and sd[k].shape != own[k].shape]
-        models.load_checkpoint(model, sd, skip=skip, verbose=log)
+        models.load_checkpoint(model, sd, skip=skip, verbose=log, reset_quantizers=True)
     policy = args.ms_policy or getattr(args, "ms_plan", None)
     if policy:
         try:
@@ -223,15 +224,34 @@ def _val_loader(args, dist_info, val_set):
                                        drop_last=False, **_common(args))
 
 
+TRUST_REMEDY = ("If you trust this file (e.g. a full checkpoint of the original DeiT / Swin / Mesa code, "
+                "holding its args or yacs config), add --trust-checkpoint to read it with weights_only=False.")
+
+
+def read_checkpoint(args, path: str):
+    """``path`` as :func:`models.checkpoint.read_checkpoint` reads it; with ``--trust-checkpoint``
+    also a full checkpoint that ``weights_only=True`` refuses (one warning)."""
+    if args.trust_checkpoint and not models.checkpoint.is_safetensors(path):
+        log(f"WARNING: --trust-checkpoint: reading {path} with torch.load(weights_only=False), which can run "
+            "code stored in the file; only for files you trust")
+    return ckpt.read_checkpoint(path, weights_only=not args.trust_checkpoint, trust_remedy=TRUST_REMEDY)
+
+
 def _load_weights(args, model):
-    """Load ``--resume`` into ``model``; returns the checkpoint object."""
-    obj = ckpt.read_checkpoint(args.resume)
+    """Load ``--resume`` into ``model``; returns the checkpoint object. Quantizer state that does
+    not fit the model's groups (the original Mesa's checkpoints) is not loaded, said in one line:
+    evaluation does not use it, a resumed training run starts those ranges afresh."""
+    obj = read_checkpoint(args, args.resume)
     try:
-        report = models.load_checkpoint(model, obj, verbose=lambda *_: None)
+        report = models.load_checkpoint(model, obj, verbose=lambda *_: None, reset_quantizers=True)
     except models.CheckpointError as exc:
         raise models.CheckpointError(str(exc).replace("<state dict>", args.resume, 1)) from exc
     report.source = args.resume
+    reset = report.reset_line("are not used in evaluation" if args.eval else "start afresh")
+    report.reset_quantizers = []
     log(report.summary())
+    if reset:
+        log(reset)
     return obj
 
 
