@@ -237,6 +237,14 @@ def test_safetensors_for_finetune_eval_and_the_export_tool(trained, tmp_path, ca
     # --finetune from the file: weights loaded, training runs
     run(TINY + ["--epochs", "1", "--finetune", out, "--output-dir", tmp_path / "ft"])
     assert "loaded" in capsys.readouterr().out
+    # --resume from weights alone: the model EMA starts from them, not from the initialisation
+    run(TINY + ["--epochs", "1", "--resume", out, "--output-dir", tmp_path / "rs", "--model-ema-eval"])
+    text = capsys.readouterr().out
+    assert "holds none; it starts from the loaded weights" in text
+    assert len([ln for ln in text.splitlines() if ln.startswith("Accuracy of the EMA model")]) == 1
+    ema_head = torch.load(tmp_path / "rs" / "checkpoint.pth", weights_only=True)["model_ema"]["module.head.weight"]
+    loaded = load_file(str(out))["head.weight"]
+    assert (ema_head - loaded).abs().max() < 1e-3 < (ema_head - ck["model_ema"]["module.head.weight"]).abs().max()
     # PVT v1 has no timm counterpart: the timm layout is refused, this repo's layout round-trips
     pvt = models.create_model("pvt_tiny", img_size=32, num_classes=3, depths=(1, 1, 1, 1))
     with pytest.raises(ValueError, match="timm has no model"):

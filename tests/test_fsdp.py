@@ -80,3 +80,42 @@ def test_sharded_checkpoint_round_trip_and_full_export(one_rank, tmp_path):
     assert not report.missing_quantizer_keys
     assert all(torch.equal(m.state_dict()[k], v) for k, v in full.items())
     assert any(k.endswith(".iteration") and float(v) == 1 for k, v in full.items())
+
+
+def test_sharded_model_ema_is_model_ema_v3_and_applied_restores(one_rank):
+    """ShardedModelEma on an FSDP2 model == timm's ModelEmaV3 on the same model unsharded, bit for
+    bit, after steps that change weights and quantizer ranges; ``applied`` puts the EMA into the
+    model and the exact weights back after."""
+    from timm.utils import ModelEmaV3
+
+    def step(m, opt, x):
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    plain = _mesa_model()
+    sharded = fsdp.wrap(copy.deepcopy(plain), torch.device("cpu"))
+    ref = ModelEmaV3(plain, decay=0.8)
+    ema = fsdp.ShardedModelEma(sharded, 0.8)
+    opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt_s = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    for i in range(3):
+        x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(i))
+        rng = torch.get_rng_state()
+        step(plain, opt_p, x)
+        torch.set_rng_state(rng)
+        step(sharded, opt_s, x)
+        ref.update(plain)
+        ema.update(sharded)
+    want = ref.module.state_dict()
+    got = ema.full_state_dict()
+    assert any(k.endswith(".iteration") and float(v) > 0 for k, v in got.items())
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    before = fsdp.full_model_state_dict(sharded)
+    assert not torch.equal(before["head.weight"], got["head.weight"])
+    with ema.applied(sharded):
+        inside = fsdp.full_model_state_dict(sharded)
+        assert all(torch.equal(inside[k], got[k]) for k in got)
+    after = fsdp.full_model_state_dict(sharded)
+    assert all(torch.equal(after[k], before[k]) for k in before)

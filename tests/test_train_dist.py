@@ -129,3 +129,59 @@ def test_fsdp_full_and_sharded_checkpoints_evaluate_to_the_same_acc1(fsdp_run, m
             assert lines == [last], ck
     finally:
         torch.set_num_threads(n)
+
+
+# ---- FSDP2 with DeiT's model EMA (issue 37 item 3) ---------------------------------------------
+EMA = [a for a in DIGITS if a != "--no-model-ema"] + ["--model-ema-decay", "0.9", "--model-ema-eval"]
+
+
+def torchrun_ema(out: pathlib.Path, *extra) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tools" / "train.py"), *EMA, "--output-dir", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _ema_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("Accuracy of the EMA model")]
+
+
+def test_fsdp_with_model_ema_equals_ddp_resumes_and_evaluates(tmp_path, monkeypatch, capsys):
+    """``--fsdp`` with model EMA on (DeiT's default): each rank's EMA of its shards, gathered, is
+    DDP's ModelEmaV3 bit for bit; stop + resume from the DCP folder continues it bit for bit; the
+    exported whole checkpoint and the folder evaluate to the EMA accuracy the run printed."""
+    import training
+
+    text = torchrun_ema(tmp_path / "fsdp", "--fsdp")
+    full = torch.load(tmp_path / "fsdp" / "checkpoint_full.pth", weights_only=True)
+    ema = full["model_ema"]
+    assert ema.keys() == full["model"].keys()
+    assert not torch.equal(ema["head.weight"], full["model"]["head.weight"])
+    torchrun_ema(tmp_path / "ddp")
+    ddp = torch.load(tmp_path / "ddp" / "checkpoint.pth", weights_only=True)
+    for k, v in ddp["model_ema"].items():  # ModelEmaV3: 'module.' + the model's keys
+        assert torch.equal(ema[k[len("module."):]], v), f"{k}: the sharded EMA differs from DDP's"
+
+    torchrun_ema(tmp_path / "split", "--fsdp", "--stop-after", "1")
+    resumed = torchrun_ema(tmp_path / "split", "--fsdp", "--resume", str(tmp_path / "split" / "checkpoint"))
+    assert "resumed from" in resumed and "holds none" not in resumed
+    again = torch.load(tmp_path / "split" / "checkpoint_full.pth", weights_only=True)["model_ema"]
+    for k, v in ema.items():
+        assert torch.equal(again[k], v), f"{k}: the EMA differs after resume"
+
+    last = _ema_lines(text)
+    assert len(last) == 2 and _ema_lines(resumed) == last[1:]
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for ck in ("checkpoint_full.pth", "checkpoint"):
+            training.main(training.parse_args(EMA + ["--eval", "--resume", str(tmp_path / "fsdp" / ck)]))
+            assert _ema_lines(capsys.readouterr().out) == last[-1:], ck
+    finally:
+        torch.set_num_threads(n)

@@ -67,6 +67,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--no-model-ema", action="store_false", dest="model_ema")
     g.add("--model-ema-decay", type=float, default=0.99996)
     g.add("--model-ema-force-cpu", action="store_true", default=False)
+    g.add("--model-ema-eval", action="store_true",
+          help="also evaluate the EMA weights after each epoch (with --eval: the checkpoint's EMA)")
     g.add("--finetune", default="", metavar="PATH_OR_URL",
           help="initialise from a checkpoint; a classifier of another size is left at its init")
 

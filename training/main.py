@@ -3,6 +3,7 @@ arguments of :mod:`training.args`, then train (DeiT's recipe), evaluate (``--eva
 training (``--train-throughput``)."""
 from __future__ import annotations
 
+import copy
 import datetime
 import glob
 import os
@@ -60,8 +61,9 @@ def resolve_args(args):
         if path and "://" not in path and not os.path.isfile(path) and not (
                 flag == "--resume" and fsdp.is_sharded_checkpoint(path)):
             raise UsageError(f"{flag} {path}: no such file (or checkpoint folder)")
-    if args.fsdp and args.model_ema and not args.eval:
-        raise UsageError("--fsdp: --model-ema is not supported with sharded parameters (add --no-model-ema)")
+    if args.fsdp and args.model_ema and args.model_ema_force_cpu and not args.eval:
+        raise UsageError("--fsdp: --model-ema-force-cpu does not apply: the model EMA is sharded as the weights "
+                         "are (each rank keeps the EMA of its own shards)")
     if args.fsdp and args.resume and not fsdp.is_sharded_checkpoint(args.resume) and not args.eval:
         raise UsageError(f"--fsdp --resume {args.resume}: continuing training needs a checkpoint folder "
                          "of an --fsdp run (<output-dir>/checkpoint); a file loads with --eval or --finetune")
@@ -255,6 +257,48 @@ def _load_weights(args, model):
     return obj
 
 
+def _restart_ema(model_ema, model) -> None:
+    """The EMA set to the model's current weights."""
+    if isinstance(model_ema, fsdp.ShardedModelEma):
+        model_ema.__init__(model, model_ema.decay)
+    else:
+        model_ema.set(model)
+
+
+def _evaluate_ema(model_ema, model, loader_val, device, args, num_classes: int, n_images: int) -> dict:
+    """Evaluate the EMA weights (``--model-ema-eval``): ModelEmaV3's copy, or the sharded EMA put
+    into the FSDP model for the evaluation."""
+    if isinstance(model_ema, fsdp.ShardedModelEma):
+        with model_ema.applied(model):
+            stats = evaluate(loader_val, model, device, args.amp, num_classes, quiet=args.tqdm,
+                             print_freq=args.print_freq * 10)
+    else:
+        stats = evaluate(loader_val, model_ema.module, device, args.amp, num_classes, quiet=args.tqdm,
+                         print_freq=args.print_freq * 10)
+    log(f"Accuracy of the EMA model on the {n_images} test images: {stats['acc1']:.1f}%")
+    return stats
+
+
+def _evaluate_checkpoint_ema(args, obj, model, loader_val, device, num_classes: int, n_images: int) -> dict:
+    """``--eval --model-ema-eval``: the checkpoint's EMA weights (``model_ema``) evaluated too."""
+    sharded = fsdp.is_sharded_checkpoint(args.resume)
+    if sharded:
+        if not fsdp.has_model_ema(args.resume):
+            raise UsageError(f"--model-ema-eval: {args.resume} holds no model EMA")
+        ema = fsdp.ShardedModelEma(model, 0.0)
+        fsdp.load_sharded(args.resume, model, None, ema)  # (the EMA only: the weights are the same)
+        sd = ema.state
+    else:
+        if not (isinstance(obj, dict) and isinstance(obj.get("model_ema"), dict)):
+            raise UsageError(f"--model-ema-eval: {args.resume} holds no model EMA ('model_ema')")
+        sd = obj["model_ema"]
+    ema_model = copy.deepcopy(model)
+    models.load_checkpoint(ema_model, sd, verbose=lambda *_: None, reset_quantizers=True)
+    stats = evaluate(loader_val, ema_model, device, args.amp, num_classes, use_tqdm=args.tqdm)
+    log(f"Accuracy of the EMA model on the {n_images} test images: {stats['acc1']:.1f}%")
+    return {f"ema_{k}": v for k, v in stats.items()}
+
+
 def main(args) -> dict:
     """Run what ``args`` asks; returns the last evaluation / throughput stats (main process)."""
     resolve_args(args)
@@ -307,13 +351,19 @@ def _run(args, dist_info) -> dict:
         + (f", {n_ckpt} blocks checkpointed" if n_ckpt else ""))
 
     if args.eval:
-        _load_weights(args, model)
+        if fsdp.is_sharded_checkpoint(args.resume):  # DCP reads it into the unwrapped model, on any ranks
+            obj = fsdp.load_sharded(args.resume, model)
+            log(f"loaded the sharded checkpoint {args.resume} (epoch {obj.get('epoch')})")
+        else:
+            obj = _load_weights(args, model)
         stats = evaluate(loader_val, model, device, args.amp, num_classes, use_tqdm=args.tqdm)
         log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
+        if args.model_ema_eval:
+            stats.update(_evaluate_checkpoint_ema(args, obj, model, loader_val, device, num_classes, len(val_set)))
         return stats
 
     model_ema = None
-    if args.model_ema:
+    if args.model_ema and not args.fsdp:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay,
                                device="cpu" if args.model_ema_force_cpu else None)
     if args.fsdp:
@@ -323,6 +373,8 @@ def _run(args, dist_info) -> dict:
             _load_weights(args, model)
         model = fsdp.wrap(model, device, reshard_after_forward=args.fsdp_reshard_after_forward, amp=args.amp)
         model_without_ddp = model
+        if args.model_ema:  # of each rank's shards, from rank 0's weights (as DDP's rank 0 keeps it)
+            model_ema = fsdp.ShardedModelEma(model, args.model_ema_decay)
     elif dist_info.distributed:
         # buffers are broadcast from rank 0 only for models with batch norm: Mesa's range
         # buffers are kept equal on all ranks by its own all-reduce (ms.set_dist_sync), and a
@@ -359,20 +411,23 @@ def _run(args, dist_info) -> dict:
     rng_to_restore = None
     if args.resume:
         sharded = fsdp.is_sharded_checkpoint(args.resume)
-        if sharded:  # model and optimizer in place, whatever the wrapping and number of ranks
-            obj = fsdp.load_sharded(args.resume, model_without_ddp, None if args.eval else optimizer)
+        if sharded:  # model, optimizer and EMA in place, whatever the wrapping and number of ranks
+            sharded_ema = model_ema if isinstance(model_ema, fsdp.ShardedModelEma) else None
+            obj = fsdp.load_sharded(args.resume, model_without_ddp, None if args.eval else optimizer, sharded_ema)
             log(f"loaded the sharded checkpoint {args.resume} (epoch {obj.get('epoch')})")
         elif args.fsdp:
             obj = {}  # (--eval) the weights were loaded before sharding
         else:
             obj = _load_weights(args, model_without_ddp)
+        ema_loaded = False
         if not args.eval and isinstance(obj, dict) and (sharded or "optimizer" in obj) and "epoch" in obj:
             if not sharded:
                 optimizer.load_state_dict(obj["optimizer"])
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
             loss_scaler.load_state_dict(obj.get("scaler", {}))
-            if model_ema is not None and "model_ema" in obj:
+            if isinstance(model_ema, ModelEmaV3) and "model_ema" in obj:
                 model_ema.load_state_dict(obj["model_ema"])
+            ema_loaded = bool(obj.get("model_ema_loaded")) if sharded else "model_ema" in obj
             args.start_epoch = int(obj["epoch"]) + 1
             max_accuracy = float(obj.get("max_accuracy", 0.0))
             rng = obj.get("rng") or []
@@ -382,6 +437,9 @@ def _run(args, dist_info) -> dict:
                 log(f"resume: the checkpoint holds RNG states of {len(rng)} ranks, this run has "
                     f"{dist_info.world_size}: random streams restart from --seed")
             log(f"resumed from {args.resume} at epoch {args.start_epoch}")
+        if model_ema is not None and not ema_loaded:  # not the initial weights the EMA was made of
+            _restart_ema(model_ema, model_without_ddp)
+            log(f"model EMA: {args.resume} holds none; it starts from the loaded weights")
 
     if args.train_throughput:
         return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
@@ -409,6 +467,10 @@ def _run(args, dist_info) -> dict:
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
                               print_freq=args.print_freq * 10, quiet=args.tqdm)
+        if model_ema is not None and args.model_ema_eval:
+            ema_stats = _evaluate_ema(model_ema, model_without_ddp, loader_val, device, args, num_classes,
+                                      len(val_set))
+            test_stats.update({f"ema_{k}": v for k, v in ema_stats.items()})
         best = test_stats["acc1"] > max_accuracy
         max_accuracy = max(max_accuracy, test_stats["acc1"])
         if not args.tqdm:
@@ -420,7 +482,7 @@ def _run(args, dist_info) -> dict:
                      "epoch": int(epoch), "max_accuracy": float(max_accuracy), "args": args_dict, "rng": rng,
                      "meta": ckpt._meta(model_without_ddp)}
             for name in ("checkpoint",) + (("best_checkpoint",) if best else ()):
-                fsdp.save_sharded(os.path.join(args.output_dir, name), model, optimizer, extra)
+                fsdp.save_sharded(os.path.join(args.output_dir, name), model, optimizer, extra, model_ema)
         elif args.output_dir and is_main_process():
             obj = ckpt.build_checkpoint(model_without_ddp, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                         scaler=loss_scaler, model_ema=model_ema, epoch=epoch,
@@ -439,10 +501,12 @@ def _run(args, dist_info) -> dict:
                    epoch, prefix="test/")
     tb.close()
     if args.fsdp and args.output_dir:  # the whole model, for --eval and models.load_checkpoint
-        full = fsdp.full_model_state_dict(model, rank0_only=True)
+        full = {"model": fsdp.full_model_state_dict(model, rank0_only=True), "meta": ckpt._meta(model_without_ddp),
+                "epoch": last - 1}
+        if model_ema is not None:
+            full["model_ema"] = model_ema.full_state_dict()
         if is_main_process():
-            ckpt.atomic_save({"model": full, "meta": ckpt._meta(model_without_ddp), "epoch": last - 1},
-                             os.path.join(args.output_dir, "checkpoint_full.pth"))
+            ckpt.atomic_save(full, os.path.join(args.output_dir, "checkpoint_full.pth"))
     if args.save_rank_state and args.output_dir:
         barrier()
         state = fsdp.full_model_state_dict(model) if args.fsdp else model_without_ddp.state_dict()
