@@ -10,8 +10,16 @@ kind of error as Mesa's other layers.
 It is PyTorch's non-reentrant checkpoint (``torch.utils.checkpoint.checkpoint(...,
 use_reentrant=False)``): the autograd graph of the forward is kept and the tensors it saved are
 regenerated on first use in backward; gradients flow into the exact input and the block's
-parameters as without checkpointing. Mesa layers inside the block keep working (their running
-ranges are not updated a second time by the recomputation).
+parameters as without checkpointing.
+
+Mesa layers inside a checkpointed block store exactly (:func:`exact_inside`), in the forward and
+in the recomputation, with either kind of checkpoint: what a checkpointed forward saves is thrown
+away, and what the recomputation saves lives only until the block's backward ends (one block at
+a time), so quantizing there would cost two quantizations and a dequantization per layer and step
+for no memory kept across the step. The only lossy copy is the block input's; the step costs what
+plain checkpointing costs plus one quantization and one dequantization of the input, and the
+recomputation's transient is one block's exact activations, as with plain checkpointing. (The
+running ranges of those layers are not updated while their block is checkpointed.)
 
 Input quantizer: ``range_mode='batch'`` (each step's exact per-group min / max; no range is kept
 between steps and no state enters the state dict), stochastic rounding from a stream of each
@@ -24,6 +32,8 @@ single range would let dominate.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as tckpt
@@ -31,7 +41,7 @@ import torch.utils.checkpoint as tckpt
 from .packed import QTensor
 from .quant import DIST_SYNC_KEY, QuantMixin, Quantizer, channel_dim
 
-__all__ = ["checkpoint_block", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
+__all__ = ["checkpoint_block", "exact_inside", "input_quantizer", "CheckpointedBlock", "wrap_blocks", "GROUP_SIZE"]
 GROUP_SIZE = 32
 
 
@@ -95,9 +105,38 @@ def _site_name(block: nn.Module) -> str | None:
     return f"checkpoint input of {'.'.join(common or names[0])}"
 
 
+@contextlib.contextmanager
+def exact_inside(block: nn.Module):
+    """The Mesa layers of ``block`` store their activations exactly for the duration (their
+    ``enable`` switched off, and back on after, also on an error): the forward and recomputation
+    of a checkpointed block (see the module docstring). The forward output does not change: Mesa
+    layers compute the plain layers' forward."""
+    on = [m for m in block.modules() if isinstance(m, QuantMixin) and m.enable]
+    for m in on:
+        m.enable = False
+    try:
+        yield
+    finally:
+        for m in on:
+            m.enable = True
+
+
+class _Exact:
+    """``block(*args, **kwargs)`` with its Mesa layers exact: the function of an ordinary
+    (non-reentrant) checkpoint."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, *args, **kwargs):
+        with exact_inside(self.block):
+            return self.block(*args, **kwargs)
+
+
 class _Run:
     """The block call for torch's checkpoint: the exact input in forward, the dequantized packed
-    copy in the recomputation (the exact input is not referenced after the forward)."""
+    copy in the recomputation (the exact input is not referenced after the forward); the block's
+    Mesa layers exact in both."""
 
     def __init__(self, block, x, qt: QTensor, kwargs):
         self.block, self.x, self.meta, self.kwargs = block, x, qt.meta(), kwargs
@@ -113,7 +152,8 @@ class _Run:
             x = QTensor.restore(stored, self.meta)
             x._mesa_ws = None  # the recomputed graph holds it: never handed back to the workspace
             x.requires_grad_(self.requires_grad)
-        return self.block(x, *rest, **self.kwargs)
+        with exact_inside(self.block):
+            return self.block(x, *rest, **self.kwargs)
 
 
 def checkpoint_block(block, *args, bits: int | None = None, **kwargs):
@@ -134,7 +174,7 @@ def _checkpoint(block, args, bits, kwargs):
         return block(*args, **kwargs), []
     if bits is None:
         kept = [a for a in args if isinstance(a, torch.Tensor)]
-        return tckpt.checkpoint(block, *args, use_reentrant=False, **kwargs), kept
+        return tckpt.checkpoint(_Exact(block), *args, use_reentrant=False, **kwargs), kept
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
         raise TypeError(f"checkpoint_block(bits={bits}): the first argument must be a floating "
                         f"tensor (the block input), got {type(args[0]).__name__ if args else 'nothing'}")

@@ -22,14 +22,13 @@ Python-only), and a scripted Mesa layer is its plain ``nn`` counterpart.
 """
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 from timm.models import register_notrace_function, register_notrace_module  # (timm.layers from 1.0.17 on)
 from timm.models._features import feature_take_indices
 
+from mesa_ops.checkpoint import checkpoint_block
 from mesa_ops.layers import MESA_LAYERS
 
 for _layer in MESA_LAYERS:
@@ -44,7 +43,9 @@ def run_block(block: nn.Module, *args, enable: bool = False, bits: int | None = 
 
     ``bits=None``: ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (the block's
     inputs are kept, everything inside is recomputed in backward). ``bits=8/4/2``: the compressed
-    checkpoint of ``mesa_ops.checkpoint.checkpoint_block`` (the inputs kept as a packed copy).
+    checkpoint (the inputs kept as a packed copy). Both through
+    ``mesa_ops.checkpoint.checkpoint_block``, which runs the block's Mesa layers exact (what a
+    checkpointed block saves lives one block's backward at most).
     A per-block choice from a policy file's ``on checkpoint:`` section
     (``block.mesa_checkpoint = (enable, bits)``, see mesa_ops.checkpoint.apply_checkpoint_policy)
     overrides the model-wide one.
@@ -54,21 +55,8 @@ def run_block(block: nn.Module, *args, enable: bool = False, bits: int | None = 
         enable, bits = override
     if not enable or not torch.is_grad_enabled() or torch.jit.is_scripting():
         return block(*args)
-    if bits is None:
-        return torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
-    return _compressed_checkpoint()(block, *args, bits=bits)
-
-
-def _compressed_checkpoint():
-    try:
-        mod = importlib.import_module("mesa_ops.checkpoint")
-    except ModuleNotFoundError as exc:
-        if exc.name != "mesa_ops.checkpoint":
-            raise
-        raise RuntimeError("compressed checkpointing (grad_checkpointing_bits) needs "
-                           "mesa_ops.checkpoint.checkpoint_block, which this installation lacks; "
-                           "use set_grad_checkpointing(True, bits=None) for ordinary checkpointing") from exc
-    return mod.checkpoint_block
+    # (both kinds run the block's Mesa layers exact: see mesa_ops.checkpoint.exact_inside)
+    return checkpoint_block(block, *args, bits=bits)
 
 
 def _check_bits(bits):
@@ -100,8 +88,6 @@ class GradCheckpointing:
         ``bits=0`` to return to ordinary checkpointing)."""
         if bits is not None:
             bits = None if bits == 0 else _check_bits(bits)
-            if bits is not None:
-                _compressed_checkpoint()  # fail now, not in the first forward
             for owner in self._checkpoint_owners():
                 owner.grad_checkpointing_bits = bits
         for owner in self._checkpoint_owners():
