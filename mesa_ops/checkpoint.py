@@ -122,14 +122,14 @@ def exact_inside(block: nn.Module):
 
 
 class _Exact:
-    """``block(*args, **kwargs)`` with its Mesa layers exact: the function of an ordinary
-    (non-reentrant) checkpoint."""
+    """``block(*args, **kwargs)`` with the Mesa layers of ``owner`` (the module ``block`` runs)
+    exact: the function of an ordinary (non-reentrant) checkpoint."""
 
-    def __init__(self, block):
-        self.block = block
+    def __init__(self, block, owner):
+        self.block, self.owner = block, owner
 
     def __call__(self, *args, **kwargs):
-        with exact_inside(self.block):
+        with exact_inside(self.owner):
             return self.block(*args, **kwargs)
 
 
@@ -138,8 +138,8 @@ class _Run:
     copy in the recomputation (the exact input is not referenced after the forward); the block's
     Mesa layers exact in both."""
 
-    def __init__(self, block, x, qt: QTensor, kwargs):
-        self.block, self.x, self.meta, self.kwargs = block, x, qt.meta(), kwargs
+    def __init__(self, block, owner, x, qt: QTensor, kwargs):
+        self.block, self.owner, self.x, self.meta, self.kwargs = block, owner, x, qt.meta(), kwargs
         self.n = len(qt.tensors())  # (3, or 4 with the exact prefix rows)
         self.requires_grad = x.requires_grad
 
@@ -152,35 +152,41 @@ class _Run:
             x = QTensor.restore(stored, self.meta)
             x._mesa_ws = None  # the recomputed graph holds it: never handed back to the workspace
             x.requires_grad_(self.requires_grad)
-        with exact_inside(self.block):
+        with exact_inside(self.owner):
             return self.block(x, *rest, **self.kwargs)
 
 
-def checkpoint_block(block, *args, bits: int | None = None, **kwargs):
+def checkpoint_block(block, *args, bits: int | None = None, owner: nn.Module | None = None, **kwargs):
     """``block(*args, **kwargs)`` under non-reentrant activation checkpointing.
 
     ``bits=None``: the ordinary checkpoint (the inputs kept as they are). ``bits=8`` / ``4`` /
     ``2``: the first argument (a floating tensor, e.g. tokens (B, N, C)) is kept as a packed
     copy at that many bits and the recomputation starts from its dequantized copy; the other
     arguments (e.g. PVT's H, W; masks) are kept as they are. Outside training / without grad
-    the block simply runs.
+    the block simply runs. ``owner``: the module a ``block`` that is not one runs (e.g. a
+    ``functools.partial`` around a block): its Mesa layers are the ones kept exact
+    (:func:`exact_inside`) and it owns the input quantizer's rounding stream; default ``block``.
     """
-    return _checkpoint(block, args, bits, kwargs)[0]
+    return _checkpoint(block, args, bits, kwargs, owner)[0]
 
 
-def _checkpoint(block, args, bits, kwargs):
+def _checkpoint(block, args, bits, kwargs, owner=None):
     """(output, the tensors kept for the recomputation)."""
-    if not (torch.is_grad_enabled() and getattr(block, "training", True)):
+    owner = block if owner is None else owner
+    if not isinstance(owner, nn.Module):
+        raise TypeError(f"checkpoint_block: {type(block).__name__} is not a module; pass the module it runs "
+                        "as owner=")
+    if not (torch.is_grad_enabled() and getattr(owner, "training", True)):
         return block(*args, **kwargs), []
     if bits is None:
         kept = [a for a in args if isinstance(a, torch.Tensor)]
-        return tckpt.checkpoint(_Exact(block), *args, use_reentrant=False, **kwargs), kept
+        return tckpt.checkpoint(_Exact(block, owner), *args, use_reentrant=False, **kwargs), kept
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
         raise TypeError(f"checkpoint_block(bits={bits}): the first argument must be a floating "
                         f"tensor (the block input), got {type(args[0]).__name__ if args else 'nothing'}")
     x = args[0]
-    qt = input_quantizer(x, bits, block).quantize(x)
-    run = _Run(block, x, qt, kwargs)
+    qt = input_quantizer(x, bits, owner).quantize(x)
+    run = _Run(block, owner, x, qt, kwargs)
     del x
     out = tckpt.checkpoint(run, *qt.tensors(), *args[1:], use_reentrant=False)
     return out, list(qt.tensors()) + [a for a in args[1:] if isinstance(a, torch.Tensor)]

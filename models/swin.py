@@ -15,6 +15,7 @@ Windows: (B * nW, ws*ws, C); attention (B * nW, heads, ws*ws, ws*ws).
 """
 from __future__ import annotations
 
+import re
 from typing import Optional, Tuple
 
 import torch
@@ -101,14 +102,22 @@ class WindowAttention(AttentionOps):
 
 
 class SwinTransformerBlock(nn.Module):
-    """(Shifted) window attention + MLP on (B, H*W, C) at a fixed ``input_resolution``."""
+    """(Shifted) window attention + MLP on (B, H*W, C) at a fixed ``input_resolution``.
+
+    ``with_cp`` (mmseg's ``SwinBlock.with_cp``): whether the model running this block (its
+    :class:`BasicLayer`, or :class:`models.seg.MesaSwinTransformer`) runs it under activation
+    checkpointing while training; per block, so it may be changed on one block after
+    construction. ``set_grad_checkpointing`` / ``use_checkpoint`` / the backbone's ``with_cp``
+    set it on every block. A policy file's per-block choice (``mesa_checkpoint``) overrides it.
+    """
 
     def __init__(self, dim, input_resolution, num_heads, window_size=7, shift_size=0, mlp_ratio=4.,
                  qkv_bias=True, qk_scale=None, drop=0., attn_drop=0., drop_path=0., act_layer=ms.GELU,
                  norm_layer=ms.LayerNorm, linear_layer=ms.Linear, matmul_layer=ms.MatMul,
                  softmax_layer=ms.Softmax, qgroups: QuantGroups = QuantGroups(), fused_attn: bool = True,
-                 attn_impl: str = "fused"):
+                 attn_impl: str = "fused", with_cp: bool = False):
         super().__init__()
+        self.with_cp = bool(with_cp)
         self.dim = dim
         self.input_resolution = input_resolution
         self.num_heads = num_heads
@@ -213,7 +222,16 @@ class PatchMerging(nn.Module):
 
 
 class BasicLayer(nn.Module):
-    """One stage: ``depth`` blocks (shift 0, ws/2, 0, ...) then an optional ``downsample``."""
+    """One stage: ``depth`` blocks (shift 0, ws/2, 0, ...) then an optional ``downsample``.
+
+    Checkpointing: each block runs checkpointed when its own ``with_cp`` says so (with the
+    stage's ``grad_checkpointing_bits``: None plain, 8/4/2 compressed). ``grad_checkpointing``
+    (and the official name ``use_checkpoint``) reads whether any block has ``with_cp``; setting
+    ``grad_checkpointing`` sets every block's ``with_cp``.
+    """
+
+    # Python-side switches (TorchScript runs the blocks directly)
+    __jit_unused_properties__ = ["grad_checkpointing", "use_checkpoint"]
 
     def __init__(self, dim, input_resolution, depth, num_heads, window_size, mlp_ratio=4., qkv_bias=True,
                  qk_scale=None, drop=0., attn_drop=0., drop_path=0., norm_layer=ms.LayerNorm,
@@ -225,7 +243,6 @@ class BasicLayer(nn.Module):
         self.dim = dim
         self.input_resolution = input_resolution
         self.depth = depth
-        init_grad_checkpointing([self], use_checkpoint, None)
         self.blocks = nn.ModuleList([
             SwinTransformerBlock(dim, input_resolution, num_heads, window_size,
                                  0 if i % 2 == 0 else window_size // 2, mlp_ratio, qkv_bias, qk_scale, drop,
@@ -233,8 +250,9 @@ class BasicLayer(nn.Module):
                                  else drop_path,
                                  act_layer=act_layer, norm_layer=norm_layer, linear_layer=linear_layer,
                                  matmul_layer=matmul_layer, softmax_layer=softmax_layer, qgroups=qgroups,
-                                 fused_attn=fused_attn, attn_impl=attn_impl)
+                                 fused_attn=fused_attn, attn_impl=attn_impl, with_cp=use_checkpoint)
             for i in range(depth)])
+        init_grad_checkpointing([self], use_checkpoint, None)
         if downsample is not None:
             self.downsample = downsample(input_resolution, dim=dim, norm_layer=norm_layer,
                                          linear_layer=linear_layer, num_heads=num_heads, qgroups=qgroups)
@@ -242,16 +260,26 @@ class BasicLayer(nn.Module):
             self.downsample = None
 
     @property
+    def grad_checkpointing(self) -> bool:
+        """Whether any block of the stage has ``with_cp``."""
+        return any(blk.with_cp for blk in self.blocks)
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, enable: bool) -> None:
+        for blk in self.blocks:
+            blk.with_cp = bool(enable)
+
+    @property
     def use_checkpoint(self) -> bool:  # the official attribute name
         return self.grad_checkpointing
 
     def forward_blocks(self, x):
-        """The stage's blocks (checkpointed when ``grad_checkpointing``): (B, H*W, C) -> same."""
+        """The stage's blocks, each checkpointed when its ``with_cp`` is set: (B, H*W, C) -> same."""
         for blk in self.blocks:
             if torch.jit.is_scripting():
                 x = blk(x)
             else:
-                x = run_block(blk, x, enable=self.grad_checkpointing, bits=self.grad_checkpointing_bits)
+                x = run_block(blk, x, enable=blk.with_cp, bits=self.grad_checkpointing_bits)
         return x
 
     def forward(self, x):
@@ -271,7 +299,8 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
     (``global_pool='avg'``, or '' for none) and classifies; ``forward_intermediates`` /
     ``feature_info`` give the four stages as NCHW maps (strides 4, 8, 16, 32);
     ``set_grad_checkpointing(enable, bits)`` checkpoints every block (``use_checkpoint`` is the
-    official constructor name of the same switch).
+    official constructor name of the same switch): it sets every block's ``with_cp``, which each
+    block follows (see :class:`BasicLayer`); ``grad_checkpointing`` reads whether any block has it.
     """
 
     output_fmt = "NHWC"
@@ -446,6 +475,39 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         if prune_head or prune_end:
             self.reset_classifier(0, "")
         return take_indices
+
+    def checkpoint_filter(self, sd: dict) -> dict:
+        """A state dict in timm's Swin layout (timm's ``swin_*`` models and their hub
+        ``model.safetensors``: each stage's patch merging at the start of the next stage,
+        ``layers.{i}.downsample``, the classifier ``head.fc``) -> the official layout this model
+        has (``layers.{i-1}.downsample``, ``head``); any other state dict is returned as it is."""
+        last = len(self.layers) - 1
+        if not any(k.startswith(("head.fc.", f"layers.{last}.downsample.")) for k in sd):
+            return sd
+        out = {}
+        for k, v in sd.items():
+            m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
+            if m:
+                k = f"layers.{int(m.group(1)) - 1}.downsample.{m.group(2)}"
+            elif k.startswith("head.fc."):
+                k = "head." + k[len("head.fc."):]
+            out[k] = v
+        return out
+
+    def timm_layout(self, sd: dict) -> dict:
+        """This model's state dict (official layout) -> timm's Swin layout (the inverse of
+        :meth:`checkpoint_filter`), without the buffers timm derives (``derived_buffers``)."""
+        out = {}
+        for k, v in sd.items():
+            if k.rsplit(".", 1)[-1] in self.derived_buffers:
+                continue
+            m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
+            if m:
+                k = f"layers.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
+            elif k.startswith("head."):
+                k = "head.fc." + k[len("head."):]
+            out[k] = v
+        return out
 
     def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
         """A relative position table of another window, resized to this block's; else None."""

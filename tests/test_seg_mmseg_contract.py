@@ -2,8 +2,9 @@
 
 mmseg 1.2.2's ``tests/test_models/test_backbones/test_swin.py`` and mmdet's ``test_pvt.py``
 (mmseg 1.2.2 has no PVT v1), rewritten against :class:`MesaSwinTransformer` / :class:`MesaPVT`,
-with Mesa off and on ('mesa8') and a backward added; then ``with_cp`` (counting recomputations),
-``frozen_stages`` / ``norm_eval`` and mmseg-layout checkpoints.
+with Mesa off and on ('mesa8') and a backward added, and mmseg's test_swin_transformer itself where
+the mmsegmentation wheel ships it; then ``with_cp`` (counting recomputations; per block, as mmseg's
+``SwinBlock.with_cp``), ``frozen_stages`` / ``norm_eval`` and mmseg-layout checkpoints.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import models
 import models.seg  # noqa: F401  (registers the backbones)
 from models.seg import MesaPVT, MesaSwinTransformer
 from models.seg.swin_backbone import mmseg_swin_to_official
+from models.swin import SwinTransformerBlock
 
 init_default_scope("mmseg")
 MESA = [None, "mesa8"]
@@ -224,10 +226,14 @@ def _small(kind, **kw):
                    pretrain_img_size=64, **kw)
 
 
-def _attn_modules(bb, kind):
+def _blocks(bb, kind):
     if kind == "swin":
-        return [blk.attn for layer in bb.body.layers for blk in layer.blocks]
-    return [blk.attn for i in range(4) for blk in getattr(bb.body, f"block{i + 1}")]
+        return [blk for layer in bb.body.layers for blk in layer.blocks]
+    return [blk for i in range(4) for blk in getattr(bb.body, f"block{i + 1}")]
+
+
+def _attn_modules(bb, kind):
+    return [blk.attn for blk in _blocks(bb, kind)]
 
 
 @pytest.mark.parametrize("ms_policy", MESA)
@@ -266,6 +272,184 @@ def test_with_cp_recomputes_every_block(kind, mode, ms_policy):
     assert len(calls) == n
     with pytest.raises(ValueError, match="with_cp_bits=8 needs with_cp=True"):
         _small(kind, with_cp_bits=8)
+
+
+# ---- with_cp per block (mmseg's SwinBlock.with_cp) ---------------------------------------------
+def _mmseg_upstream_test_swin():
+    """mmseg's own tests/test_models/test_backbones/test_swin.py, where the mmsegmentation wheel
+    ships it (as a top-level ``tests`` package, so it is loaded from its file under another
+    module name), or None."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        path = importlib.metadata.distribution("mmsegmentation").locate_file(
+            "tests/test_models/test_backbones/test_swin.py")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if not path.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location("mmseg_upstream_test_swin", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_mmseg_test_swin_transformer_verbatim():
+    """mmseg 1.2.2's test_swin_transformer itself, its ``SwinTransformer`` bound to
+    MesaSwinTransformer and its ``SwinBlock`` to the Mesa Swin block: every assertion, including
+    ``m.with_cp`` for every block of a ``with_cp=True`` model."""
+    mod = _mmseg_upstream_test_swin()
+    if mod is None:
+        pytest.skip("this mmsegmentation install does not ship tests/test_models/test_backbones/test_swin.py")
+    mod.SwinTransformer = MesaSwinTransformer
+    mod.SwinBlock = SwinTransformerBlock
+    mod.test_swin_transformer()
+
+
+@pytest.mark.parametrize("with_cp", [True, False])
+def test_every_block_carries_with_cp(with_cp):
+    """The with_cp part of mmseg's test_swin_transformer (also where its file is not shipped), and
+    the same for MesaPVT's blocks: each block's ``with_cp`` is the backbone's argument."""
+    model = MesaSwinTransformer(with_cp=with_cp)
+    blocks = [m for m in model.modules() if isinstance(m, SwinTransformerBlock)]
+    assert len(blocks) == 12 and blocks == model.transformer_blocks()
+    assert all(m.with_cp is with_cp for m in blocks) and model.with_cp is with_cp
+    pvt = MesaPVT(arch="tiny", with_cp=with_cp)
+    assert pvt.transformer_blocks() == _blocks(pvt, "pvt") and len(_blocks(pvt, "pvt")) == 8
+    assert all(m.with_cp is with_cp for m in _blocks(pvt, "pvt")) and pvt.with_cp is with_cp
+
+
+def _recomputed(bb, kind, x):
+    """(attention calls per block, in block order) for one training step of ``bb``: 2 for a
+    checkpointed block (forward + recomputation in backward), 1 for a plain one."""
+    attns = _attn_modules(bb, kind)
+    calls = {id(a): 0 for a in attns}
+
+    def hook(m, i, o):
+        calls[id(m)] += 1
+    handles = [a.register_forward_hook(hook) for a in attns]
+    torch.manual_seed(1)
+    _backward(bb.train()(x))
+    for h in handles:
+        h.remove()
+    return [calls[id(a)] for a in attns]
+
+
+@pytest.mark.parametrize("kind", ["swin", "pvt"])
+@pytest.mark.parametrize("bits", [None, 8])
+def test_with_cp_followed_per_block(kind, bits):
+    """Each block follows its own ``with_cp``: all on -> every block recomputed; one block's set
+    False after construction -> that block only runs plainly (one fewer recomputation), with the
+    backbone's with_cp_bits kept for the others; the backbone's ``with_cp`` reads any block's and
+    setting it (or set_grad_checkpointing) sets every block's."""
+    bb = _small(kind, with_cp=True, with_cp_bits=bits)
+    blocks = _blocks(bb, kind)
+    n = len(blocks)
+    x = torch.randn(2, 3, 64, 64)
+    assert _recomputed(bb, kind, x) == [2] * n
+    blocks[1].with_cp = False
+    assert bb.with_cp and bb.grad_checkpointing and bb.grad_checkpointing_bits == bits
+    assert _recomputed(bb, kind, x) == [2, 1] + [2] * (n - 2)
+    bb.with_cp = False
+    assert not bb.with_cp and not any(b.with_cp for b in blocks)
+    assert _recomputed(bb, kind, x) == [1] * n
+    blocks[0].with_cp = True
+    assert bb.with_cp
+    assert _recomputed(bb, kind, x) == [2] + [1] * (n - 1)
+    bb.set_grad_checkpointing(True)
+    assert all(b.with_cp for b in blocks) and bb.grad_checkpointing_bits == bits
+    assert _recomputed(bb, kind, x) == [2] * n
+    bb.set_grad_checkpointing(False)
+    assert not any(b.with_cp for b in blocks)
+    with torch.no_grad():  # eval: no checkpointing whatever with_cp says
+        bb.with_cp = True
+        calls = []
+        for a in _attn_modules(bb, kind):
+            a.register_forward_hook(lambda m, i, o: calls.append(m))
+        bb.eval()(x)
+    assert len(calls) == n
+
+
+@pytest.mark.parametrize("kind", ["swin", "pvt"])
+def test_with_cp_grads_equal_without(kind):
+    """Mesa off: the gradients (parameters and input) with every block checkpointed, with every
+    other block's with_cp turned off (those blocks then run plainly: counted), and without
+    checkpointing are the same; compressed (8-bit) checkpointing of the with_cp blocks is close."""
+    torch.manual_seed(0)
+    ref = _small(kind)
+    x = torch.randn(2, 3, 64, 64)
+
+    def step(bb):
+        """(gradients of the parameters and the input, attention calls per block)."""
+        bb.load_state_dict(ref.state_dict())
+        attns = _attn_modules(bb, kind)
+        calls = []
+        handles = [a.register_forward_hook(lambda m, i, o: calls.append(m)) for a in attns]
+        xi = x.clone().requires_grad_(True)
+        _backward(bb.train()(xi))
+        for h in handles:
+            h.remove()
+        g = torch.cat([p.grad.flatten() for p in bb.parameters()] + [xi.grad.flatten()])
+        return g, [sum(c is a for c in calls) for a in attns]
+
+    want, counts = step(ref)
+    n = len(counts)
+    assert counts == [1] * n
+    full = _small(kind, with_cp=True)
+    mixed = _small(kind, with_cp=True)
+    packed = _small(kind, with_cp=True, with_cp_bits=8)
+    for bb in (mixed, packed):
+        for blk in _blocks(bb, kind)[::2]:
+            blk.with_cp = False
+    alternate = [1 if i % 2 == 0 else 2 for i in range(n)]
+    for bb, recomputed in ((full, [2] * n), (mixed, alternate)):
+        g, counts = step(bb)
+        assert counts == recomputed
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-7)
+    g, counts = step(packed)
+    assert counts == alternate
+    err = ((g - want).norm() / want.norm()).item()
+    assert 0.0 < err < 0.05, err
+
+
+def test_policy_checkpoint_choice_sets_block_with_cp(tmp_path):
+    """A policy file's ``on checkpoint:`` choice for a block is what its ``with_cp`` reads after
+    construction (and it runs so: here block 1 of a with_cp=False backbone, 8-bit)."""
+    pol = tmp_path / "ckpt.txt"
+    pol.write_text("on checkpoint:\n    by_index: 1\n    enable: True\n    bits: 8\n")
+    bb = _small("swin", ms_policy=str(pol))
+    blocks = _blocks(bb, "swin")
+    assert [b.with_cp for b in blocks] == [False, True, False, False] and bb.with_cp
+    assert blocks[1].mesa_checkpoint == (True, 8)
+    assert _recomputed(bb, "swin", torch.randn(2, 3, 64, 64)) == [1, 2, 1, 1]
+
+
+def test_classification_swin_blocks_follow_with_cp():
+    """The classification Swin (timm's set_grad_checkpointing, the official use_checkpoint) keeps
+    its blocks' ``with_cp`` consistent and runs each block as its ``with_cp`` says."""
+    kw = dict(img_size=64, embed_dim=16, depths=(2, 2), num_heads=(1, 2), window_size=4,
+              num_classes=10, drop_path_rate=0.)
+    m = models.create_model("swin_tiny_patch4_window7_224", **kw)
+    blocks = [b for layer in m.layers for b in layer.blocks]
+    assert not m.grad_checkpointing and not any(b.with_cp for b in blocks)
+    m.set_grad_checkpointing(True)
+    assert m.grad_checkpointing and all(b.with_cp for b in blocks) and m.layers[0].use_checkpoint
+    attns = [b.attn for b in blocks]
+    calls = []
+    for a in attns:
+        a.register_forward_hook(lambda mod, i, o: calls.append(mod))
+    x = torch.randn(2, 3, 64, 64)
+    m.train()(x).sum().backward()
+    assert [sum(c is a for c in calls) for a in attns] == [2, 2, 2, 2]
+    blocks[2].with_cp = False
+    calls.clear()
+    m(x).sum().backward()
+    assert [sum(c is a for c in calls) for a in attns] == [2, 2, 1, 2]
+    m.set_grad_checkpointing(False)
+    assert not m.grad_checkpointing and not any(b.with_cp for b in blocks)
+    s = models.create_model("swin_tiny_patch4_window7_224", use_checkpoint=True, **kw)
+    assert all(b.with_cp for layer in s.layers for b in layer.blocks)
 
 
 # ---- frozen_stages / norm_eval -----------------------------------------------------------------

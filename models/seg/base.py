@@ -7,10 +7,19 @@
   checkpoint is read in :meth:`MesaBackbone.init_weights` (mmengine's Runner calls it) by
   :func:`models.load_checkpoint`: the official (paper) checkpoints, this repo's, the original Mesa
   code's; every key is checked.
-* ``with_cp``: every Transformer block runs under non-reentrant activation checkpointing
+* ``with_cp``: as in mmseg, every Transformer block carries its own ``with_cp`` (set from the
+  backbone's at construction) and follows it: a block whose ``with_cp`` is True runs, while
+  training with autograd recording, under non-reentrant activation checkpointing
   (``with_cp_bits=None``) or the compressed checkpoint of :mod:`mesa_ops.checkpoint` (``8``/``4``/
-  ``2``: the block input kept as a packed copy). A policy file's ``on checkpoint:`` section sets
-  it per block (``block.mesa_checkpoint``), as for the classification models.
+  ``2``: the block input kept as a packed copy); one whose ``with_cp`` is False runs plainly.
+  ``block.with_cp = False`` on one block after construction turns checkpointing off for that
+  block only. The backbone's ``with_cp`` (and ``grad_checkpointing``) reads True when any block
+  has ``with_cp``; setting it (or ``set_grad_checkpointing(enable, bits)``) after construction
+  sets every block's ``with_cp`` (``with_cp_bits``, the backbone's ``grad_checkpointing_bits``,
+  applies to all blocks). A policy file's ``on checkpoint:`` section chooses per block
+  (``block.mesa_checkpoint = (enable, bits)``, as for the classification models): that choice
+  overrides the block's ``with_cp`` and the backbone's bits; at construction the chosen blocks'
+  ``with_cp`` is set to the policy's ``enable`` so that it reads what runs.
 * ``frozen_stages``: :meth:`MesaBackbone.train` puts the frozen parts in eval mode and their
   parameters get ``requires_grad=False`` (mmseg's ``_freeze_stages``). A frozen prefix then records
   no autograd graph: with Mesa on it stores nothing (its Mesa layers, in eval mode, are the plain
@@ -25,11 +34,11 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint as tckpt
 from mmengine.logging import print_log
 from mmengine.model import BaseModule
 
 import mesa_ops as ms
+from mesa_ops.checkpoint import checkpoint_block
 
 from .. import load_checkpoint
 from ..registry import apply_policy
@@ -183,33 +192,55 @@ class MesaBackbone(GradCheckpointing, BaseModule):
                 if isinstance(m, nn.LayerNorm):
                     for p in m.parameters():
                         p.requires_grad = False
-        init_grad_checkpointing([self], with_cp, with_cp_bits)
+        init_grad_checkpointing([self], with_cp, with_cp_bits)  # every block's with_cp
         if with_cp_bits is not None and not with_cp:
             raise ValueError(f"with_cp_bits={with_cp_bits} needs with_cp=True")
         self.ms_policy = ms_policy
         apply_policy(self, resolve_policy(ms_policy), verbose=lambda msg: print_log(msg, logger="current"))
+        for blk in self.transformer_blocks():
+            choice = getattr(blk, "mesa_checkpoint", None)
+            if choice is not None:
+                blk.with_cp = bool(choice[0])
         self._freeze_stages()
+
+    def transformer_blocks(self) -> list:
+        """The Transformer blocks, in forward order (each carries ``with_cp``)."""
+        raise NotImplementedError
+
+    # Python-side switches over the blocks (TorchScript does not run these backbones' forward)
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Whether any block has ``with_cp`` (timm's name; see :attr:`with_cp`)."""
+        return any(blk.with_cp for blk in self.transformer_blocks())
+
+    @grad_checkpointing.setter
+    def grad_checkpointing(self, enable: bool) -> None:
+        for blk in self.transformer_blocks():
+            blk.with_cp = bool(enable)
 
     @property
     def with_cp(self) -> bool:
+        """mmseg's ``with_cp``: True when any block has ``with_cp``; setting it sets every block's."""
         return self.grad_checkpointing
+
+    @with_cp.setter
+    def with_cp(self, enable: bool) -> None:
+        self.grad_checkpointing = enable
 
     def _checkpoint_owners(self):
         return [self]
 
     def run_block(self, blk: nn.Module, fn, *args):
-        """``fn(*args)`` (``fn`` runs block ``blk``), checkpointed when ``with_cp`` (or the block's
-        ``mesa_checkpoint`` from a policy file) says so, the block is training and autograd
-        records: ``with_cp_bits`` None -> torch's non-reentrant checkpoint, 8/4/2 -> the
-        compressed one (the first argument kept packed)."""
-        enable, bits = getattr(blk, "mesa_checkpoint", None) or (self.grad_checkpointing,
-                                                                  self.grad_checkpointing_bits)
+        """``fn(*args)`` (``fn`` runs block ``blk``), checkpointed when the block's ``with_cp`` (or
+        its ``mesa_checkpoint`` from a policy file, which takes precedence) says so, the block is
+        training and autograd records: bits (``with_cp_bits``, or the policy's) None -> torch's
+        non-reentrant checkpoint, 8/4/2 -> the compressed one (the first argument kept packed)."""
+        choice = getattr(blk, "mesa_checkpoint", None)
+        enable, bits = choice if choice is not None else (blk.with_cp, self.grad_checkpointing_bits)
         if not (enable and blk.training and torch.is_grad_enabled()):
             return fn(*args)
-        if bits is None:
-            return tckpt.checkpoint(fn, *args, use_reentrant=False)
-        from mesa_ops.checkpoint import checkpoint_block
-        return checkpoint_block(fn, *args, bits=bits)
+        # (the block's Mesa layers run exact inside either kind: mesa_ops.checkpoint.exact_inside)
+        return checkpoint_block(fn, *args, bits=bits, owner=blk)
 
     # ---- freezing ----------------------------------------------------------------------------
     def _freeze_stages(self) -> None:

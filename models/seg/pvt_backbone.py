@@ -51,7 +51,9 @@ class MesaPVT(MesaBackbone):
         convert_weights, init_cfg: as mmdet (see the module docstring for what is not supported).
     Extras:
         ms_policy: as :class:`~models.seg.MesaSwinTransformer` (``configs/mesa/pvt_8bit.txt``).
-        with_cp, with_cp_bits: checkpoint every block (plain / compressed).
+        with_cp, with_cp_bits: the initial ``with_cp`` of every block (``body.block{i}[j].with_cp``)
+            and the checkpoint kind (None plain / 8, 4, 2 compressed); each block runs
+            checkpointed while its ``with_cp`` is True (see :mod:`models.seg.base`).
         frozen_stages: -1 none; 0 the first patch embedding and position embedding; k also the
             blocks of stages 1..k and the patch / position embeddings of stages 2..k (mmseg's
             convention: a frozen stage is eval mode and ``requires_grad=False``).
@@ -143,6 +145,11 @@ class MesaPVT(MesaBackbone):
     @property
     def num_features(self):
         return list(self.body.embed_dims)
+
+    def transformer_blocks(self) -> list:
+        """The PVT blocks, stage by stage."""
+        b = self.body
+        return [blk for i in range(b.num_stages) for blk in getattr(b, f"block{i + 1}")]
 
     # ---- freezing ----------------------------------------------------------------------------
     def _stage_parts(self, i: int) -> list:

@@ -99,7 +99,9 @@ class MesaSwinTransformer(MesaBackbone):
         out_indices, qkv_bias, qk_scale, patch_norm, drop_rate, attn_drop_rate, drop_path_rate,
         use_abs_pos_embed: as mmseg.
         act_cfg: dict(type='GELU') (Mesa GELU). norm_cfg: dict(type='LN', eps, requires_grad).
-        with_cp: checkpoint every block (see :mod:`models.seg.base`).
+        with_cp: the initial ``with_cp`` of every block (``body.layers[i].blocks[j].with_cp``, a
+            :class:`models.swin.SwinTransformerBlock`); each block runs checkpointed while its
+            ``with_cp`` is True (see :mod:`models.seg.base`, also for setting the backbone's).
         pretrained / init_cfg: the classification checkpoint (official Swin, this repo's, Mesa's).
         frozen_stages: -1 none; 0 the patch embedding (+ position embedding); k also stages
             0..k-1 (with their patch merging) and their output norms; as mmseg.
@@ -174,6 +176,10 @@ class MesaSwinTransformer(MesaBackbone):
         """Official / this repo's / Mesa checkpoints as they are; mmseg-layout ones converted."""
         sd, _ = extract_state_dict(read_checkpoint(src), str(src))
         return mmseg_swin_to_official(sd) if _is_mmseg_layout(sd) else sd
+
+    def transformer_blocks(self) -> list:
+        """The Swin blocks, stage by stage."""
+        return [blk for layer in self.body.layers for blk in layer.blocks]
 
     # ---- freezing (mmseg's SwinTransformer._freeze_stages) ------------------------------------
     def _freeze_stages(self):
