@@ -2,6 +2,7 @@
 
     profile = measure(model, probe_input)                  # bytes, error proxy, time per option
     plan = make_plan(profile, budget_bytes, batch_size)    # fits the budget: least error, then time
+    plan = make_plan(profile, budget_bytes, batch_size, objective="time")  # the fastest that fits
     write_plan(plan, model, 'plan.txt')                    # one policy file: bits + 'on checkpoint:'
     apply_plan(model, 'plan.txt')                          # bits + checkpointing (deploy_on_init)
     largest_batch(profile, budget_bytes, limit)            # the largest batch some plan fits
@@ -38,8 +39,11 @@ Optimization: start exact; greedily apply the move (a unit one step lower: off->
 to checkpointing, which also sets its units exact; an exact checkpoint to a packed one) with the
 least added error per byte saved, ties by the least added time per byte, until the estimate fits
 the budget; exact checkpointing adds no error, so it is preferred to quantization (least error
-first, then time, as asked). No configuration fits -> :class:`PlanError` naming the smallest
-reachable size and the bytes no option can reduce.
+first, then time, as asked). ``objective='time'`` orders the moves by added time per byte
+saved instead (ties by error) and keeps units at 8 bits or exact unless nothing else fits: the
+fastest plan for the budget, as ``tools/frontier.py`` compares it with PyTorch's own tools. No
+configuration fits -> :class:`PlanError` naming the smallest reachable size and the bytes no option
+can reduce.
 """
 from __future__ import annotations
 
@@ -57,7 +61,7 @@ from .audit import audit, format_bytes
 from .plan_measure import BITS, BlockInfo, PlanError, Profile, Unit, _blocks, _packed_ckpt, _set, measure
 from .policy import TAGS, assign_indices, deploy_on_init, mesa_layers
 
-__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "Plan", "measure", "make_plan", "write_plan",
+__all__ = ["OBJECTIVES", "PlanError", "Unit", "BlockInfo", "Profile", "Plan", "measure", "make_plan", "write_plan",
            "read_plan", "check_plan", "apply_plan", "verify", "checkpoint_blocks", "checkpointed_blocks",
            "largest_batch", "BITS"]
 
@@ -159,8 +163,14 @@ def _packed_bytes(blk: BlockInfo) -> int:
     return blk.in_bytes // 4 + 1024 + blk.head_bytes
 
 
-def _greedy(prof: Profile, scale: float, budget: int, cap: int | None):
-    """Least-error-per-byte greedy within ``budget`` minus the recomputation reserve ``cap``."""
+OBJECTIVES = ("error", "time")
+
+
+def _greedy(prof: Profile, scale: float, budget: int, cap: int | None, objective: str = "error",
+            lowest_bits: int = 2):
+    """Greedy within ``budget`` minus the recomputation reserve ``cap``: the move with the least
+    added error per byte saved, ties by time (``objective='error'``), or the least added time
+    per byte, ties by error (``'time'``); units go no lower than ``lowest_bits``."""
     st = _State(prof, scale, cap)
     limit = budget - (cap or 0) * scale
     while True:
@@ -169,9 +179,9 @@ def _greedy(prof: Profile, scale: float, budget: int, cap: int | None):
             return st
         best = None
         for mv, saved, derr2, dt in st.moves():
-            if saved <= 0:
+            if saved <= 0 or (mv[0] == "unit" and mv[2] < lowest_bits):
                 continue
-            key = (derr2 / saved, dt / saved)
+            key = (derr2 / saved, dt / saved) if objective == "error" else (dt / saved, derr2 / saved)
             if best is None or key < best[0]:
                 best = (key, mv)
         if best is None:
@@ -179,21 +189,33 @@ def _greedy(prof: Profile, scale: float, budget: int, cap: int | None):
         st.apply(best[1])
 
 
-def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool = True) -> Plan:
+def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool = True,
+              objective: str = "error") -> Plan:
     """The configuration within ``budget`` bytes (saved activations at ``batch_size``) with the
-    least error proxy, then the least extra time (see the module docstring). The recomputation
-    transient is handled by trying each cap on the checkpointable blocks' own bytes (none, and
-    each distinct block size) and keeping the best plan. ``checkpointing=False``: bits only."""
+    least error proxy, then the least extra time (``objective='error'``, see the module
+    docstring), or the least estimated step time, then the least error (``'time'``: units at 8
+    bits or exact, plus plain or packed checkpointing; 4 and 2 bits only where nothing else
+    fits). The recomputation transient is handled by trying each cap on the checkpointable
+    blocks' own bytes (none, and each distinct block size) and keeping the best plan.
+    ``checkpointing=False``: bits only."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     scale = batch_size / prof.probe_batch
     probe = _State(prof, scale)
     sizes = sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks})
     caps = [None] + (sizes if checkpointing else [])
     found = []
-    for cap in caps:
-        st = _greedy(prof, scale, budget, cap)
-        if st is not None:
-            by, err, tm = st.cost()
-            found.append(((round(err, 9), tm), st))
+    # 'time': the time-ordered greedy and the error-ordered one (greedy is not optimal: the
+    # fastest of both), 8 bits at the lowest, then (nothing fits) 4 and 2 bits as well
+    for lowest in ((8, 2) if objective == "time" else (2,)):
+        for order in ((objective,) if objective == "error" else ("time", "error")):
+            for cap in caps:
+                st = _greedy(prof, scale, budget, cap, order, lowest)
+                if st is not None:
+                    by, err, tm = st.cost()
+                    found.append(((round(err, 9), tm) if objective == "error" else (tm, round(err, 9)), st))
+        if found:
+            break
     if not found:
         low = _State(prof, scale, 0)
         for u in prof.units:
@@ -214,21 +236,22 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
                 prof.step_time * scale + tm, layer_bits, est_recompute=int(st.reserve()))
 
 
-def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = True) -> Plan:
+def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = True,
+                  objective: str = "error") -> Plan:
     """The plan for the largest batch in 1..``limit`` that some configuration fits in ``budget``
     (bytes scale linearly with the batch, so the batches that fit are 1..B: bisection over
     :func:`make_plan`). Raises :class:`PlanError` when not even batch 1 fits."""
-    lo = make_plan(prof, budget, 1, checkpointing)  # raises when nothing fits
+    lo = make_plan(prof, budget, 1, checkpointing, objective)  # raises when nothing fits
     hi = limit + 1
     b = 1
     while hi - b > 1:
         mid = (b + hi) // 2
         try:
-            lo = make_plan(prof, budget, mid, checkpointing)
+            lo = make_plan(prof, budget, mid, checkpointing, objective)
             b = mid
         except PlanError:
             hi = mid
-    return lo if lo.batch_size == b else make_plan(prof, budget, b, checkpointing)
+    return lo if lo.batch_size == b else make_plan(prof, budget, b, checkpointing, objective)
 
 
 # ---- applying and writing --------------------------------------------------------------------

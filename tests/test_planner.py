@@ -112,3 +112,22 @@ def test_largest_batch_fits_and_one_more_does_not(profiled):
     with pytest.raises(P.PlanError):
         P.make_plan(prof, budget, plan.batch_size + 1)
     assert P.largest_batch(prof, budget, limit=10).batch_size == 10  # capped (e.g. by the data)
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.4, 0.25])
+def test_time_objective_fastest_plan_fits(profiled, fraction, tmp_path):
+    """objective='time': fits the budget (measured), costs no more estimated time than the
+    least-error plan, and uses only 8 bits where that suffices."""
+    model, x, prof = profiled
+    exact = ms.audit(model, x, verbose=False).total_bytes
+    budget = int(fraction * exact)
+    fast = P.make_plan(prof, budget, batch_size=2, objective="time")
+    slow = P.make_plan(prof, budget, batch_size=2)
+    assert fast.est_bytes <= budget
+    assert fast.est_extra_time <= slow.est_extra_time + 1e-12
+    assert set(fast.bits.values()) <= {0, 8} or fraction < 0.6  # (4, 2 bits: only where 8 cannot fit)
+    fresh = _model()
+    P.apply_plan(fresh, P.write_plan(fast, model, str(tmp_path / "p.txt")))
+    assert ms.audit(fresh, x, verbose=False).total_bytes <= budget
+    with pytest.raises(ValueError, match="objective"):
+        P.make_plan(prof, budget, batch_size=2, objective="speed")

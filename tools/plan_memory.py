@@ -40,6 +40,9 @@ def main(argv=None):
                          "bytes are scaled linearly when smaller)")
     ap.add_argument("--out", default=None, help="write the plan here (one policy file)")
     ap.add_argument("--no-checkpoint", action="store_true", help="choose bits only (no block checkpointing)")
+    ap.add_argument("--objective", choices=P.OBJECTIVES, default="error",
+                    help="error: the least error proxy that fits, then the least time (default); time: the "
+                         "fastest that fits (8 bits or exact per layer, plain or packed checkpointing per block)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -52,7 +55,7 @@ def main(argv=None):
     prof = P.measure(model, probe)
     try:
         plan = P.make_plan(prof, int(args.budget_gb * 1e9), args.batch_size,
-                           checkpointing=not args.no_checkpoint)
+                           checkpointing=not args.no_checkpoint, objective=args.objective)
     except P.PlanError as exc:
         print(f"plan_memory: {exc}", file=sys.stderr)
         sys.exit(2)
