@@ -45,6 +45,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("emulated") = true;  // the CUDA ops below run their kernels on CPU tensors
   m.def("set_index64", [](bool on) { mesa_emu::state().force_index64 = on; },
         "emulation only: run the kernels' 64-bit-index variants whatever the sizes");
+  m.def("launches", []() { return static_cast<int64_t>(mesa_emu::state().launches); },
+        "emulation only: kernel launches so far in this thread");
 #else
   m.attr("emulated") = false;
 #endif

@@ -40,6 +40,7 @@ struct State {
   const std::function<void()>* body = nullptr;
   bool* done = nullptr;
   bool force_index64 = false;  // run the 64-bit-index kernels at any size (tests)
+  uint64_t launches = 0;       // kernel launches so far (tests count them per op)
 };
 
 inline State& state() {
@@ -58,6 +59,7 @@ inline void fiber_main() {
 inline void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
   constexpr size_t kStack = 256 * 1024;
   State& s = state();
+  ++s.launches;
   const unsigned nthreads = block.x * block.y * block.z;
   TORCH_CHECK(nthreads > 0 && nthreads <= 1024, "cuda emulation: block of ", nthreads, " threads");
   std::vector<ucontext_t> ctx(nthreads);

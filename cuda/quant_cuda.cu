@@ -14,8 +14,8 @@
 //   dequantize_kernel / lut_kernel / levels_kernel: restore into a given buffer, a function of
 //                    the stored tensor through a per-group table (GELU), the table's arguments
 //
-// quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches (and a
-// 4-byte fill of the last-block counter) per stored activation. Index math is 32-bit wherever
+// quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches per stored
+// activation (the last-block counter persists per stream: the last block resets it). Index math is 32-bit wherever
 // the sizes allow. The same file compiles for the host under MESA_CUDA_EMULATION
 // (quant_cuda_emu.cpp, cuda_emulation.h), where the kernels run on CPU tensors: the tests check
 // these kernels against the CPU kernels without a GPU.
@@ -46,7 +46,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <mutex>
+#include <utility>
 
 #include "quant_api.h"
 #include "quant_math.h"
@@ -180,6 +182,7 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
 
   // ---- the last block: reduce the chunks of each group and finalize ----------------------
   if (tid == 0) {
+    *counter = 0u;  // every other block has counted: the next launch on this stream starts at 0
     s_any_bad = 0;
     s_iteration = fin.op == kRange ? fin.iteration[0] : 0.0f;
   }
@@ -326,6 +329,26 @@ int64_t extent_of(const at::Tensor& xr, int64_t row_len, int64_t row_stride) {
   return std::max<int64_t>(n, rows * std::max(row_stride, row_len)) + 8;
 }
 
+// minmax_kernel's last-block counter: one zeroed int per (device, stream), allocated (and zeroed)
+// on first use and reset to 0 by the last block of every launch, so a call costs no fill launch.
+// Launches on one stream run in order, so they never share it concurrently. The cache is never
+// destroyed (device memory must not be freed after the CUDA context at exit).
+unsigned* persistent_counter(const at::Tensor& like) {
+  static std::mutex mu;
+  static auto* cache = new std::map<std::pair<int, int64_t>, at::Tensor>();
+#if defined(MESA_CUDA_EMULATION)
+  const std::pair<int, int64_t> key{-1, 0};
+#else
+  const std::pair<int, int64_t> key{static_cast<int>(like.device().index()),
+                                    static_cast<int64_t>(at::cuda::getCurrentCUDAStream().id())};
+#endif
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(key);
+  if (it == cache->end())
+    it = cache->emplace(key, at::zeros({1}, like.options().dtype(at::kInt))).first;
+  return reinterpret_cast<unsigned*>(it->second.data_ptr<int>());
+}
+
 // The per-group min/max pass over x (any layout), finalized as `fin` says.
 void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const float* mean,
                    const float* rstd, int64_t rn_len, Finalize fin) {
@@ -339,7 +362,7 @@ void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const flo
   const int64_t chunk = std::max<int64_t>(1, (per_group + want - 1) / want);
   const int64_t chunks = std::max<int64_t>(1, (per_group + chunk - 1) / chunk);
   auto part = at::empty({3, groups, chunks}, xr.options().dtype(at::kFloat));
-  auto counter = at::zeros({1}, xr.options().dtype(at::kInt));
+  unsigned* u = persistent_counter(xr);
   const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(groups));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_minmax_cuda", [&] {
@@ -347,7 +370,6 @@ void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const flo
       using I = decltype(tag);
       const DRows<scalar_t, I> rows{xr.data_ptr<scalar_t>(), static_cast<I>(row_len),
                                     static_cast<I>(row_stride)};
-      auto* u = reinterpret_cast<unsigned*>(counter.data_ptr<int>());
       if (mean != nullptr) {
         auto k = &minmax_kernel<scalar_t, I, true>;
         MESA_LAUNCH(k, grid, kThreads, rows, rn, static_cast<I>(groups), static_cast<I>(inner),

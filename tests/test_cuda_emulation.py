@@ -265,3 +265,29 @@ def test_runtime_self_check_passes_on_the_emulated_kernels(emu, dtype, bits):
     CUDA kernels: its long case takes the last block's whole-block reduction of many chunks."""
     be = backend._Extension(emu, "cuda")
     assert backend.self_check(be, torch.device("cpu"), dtype, bits) is None
+
+
+def test_launches_per_op_and_the_persistent_counter(emu, cpu):
+    """Kernel launches per op (issue 36): quantize_step 2 (min/max with its finalize, codes; the
+    last-block counter persists and is reset by the last block: no fill launch), range_update
+    and group_minmax 1, dequantize 1; back-to-back calls of many chunks each (the counter reused)
+    still equal the CPU kernels."""
+    n, g, inner = MANY_CHUNKS["G=1,300-chunks"]
+    x = _input(n, torch.float32, seed=5)
+    sc, se = _state(g), _state(g)
+    dc, de = torch.tensor([0]), torch.tensor([0])
+    for step in range(3):
+        before = emu.launches()
+        b = emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, reference.EMA, 8, True, 3, de, True, True)
+        assert emu.launches() - before == 2
+        a = cpu.quantize_step_cpu(x, g, inner, *sc, 0.9, 0.1, reference.EMA, 8, True, 3, dc, True, True)
+        assert torch.equal(b[0], a[0]) and torch.equal(b[4], a[4]), step
+        x = x * 0.5
+    for call, args in (("range_update_cuda", (x, g, inner, *_state(g), 0.9, 0.1, reference.EMA, 8, True)),
+                       ("group_minmax_cuda", (x, g, inner))):
+        before = emu.launches()
+        getattr(emu, call)(*args)
+        assert emu.launches() - before == 1, call
+    before = emu.launches()
+    emu.dequantize_cuda(b[0], b[1], b[2], 8, g, inner, n, torch.float32)
+    assert emu.launches() - before == 1
