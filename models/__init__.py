@@ -15,7 +15,8 @@ from . import checkpoint, demo, export, layers, registry, timm_api
 from .checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from .registry import MESA_TAGS, TIMM_PREFIX, apply_policy, create_model, is_model, list_models
 from . import deit, pvt, swin  # noqa: E402  (registers the models)
+from . import scale  # noqa: E402  (needs the registry filled)
 
 __all__ = ["create_model", "list_models", "is_model", "load_checkpoint", "save_checkpoint", "apply_policy",
            "CheckpointError", "LoadReport", "MESA_TAGS", "TIMM_PREFIX", "deit", "swin", "pvt", "layers",
-           "checkpoint", "export", "registry", "timm_api", "demo"]
+           "checkpoint", "export", "registry", "scale", "timm_api", "demo"]

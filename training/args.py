@@ -85,6 +85,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
           help="plan Mesa bits and block checkpointing here so that one step's saved activations fit "
                "GB (1e9 bytes, per process) at --batch-size (or the largest batch: --batch-size auto); "
                "the plan goes to <output-dir>/memory_plan.txt")
+    g.add("--scale-model", default=None, choices=("width", "depth"),
+          help="with --memory-budget-gb: re-invest the budget in model size: the largest width (embed_dim, "
+               "heads) or depth of --model's family whose memory plan fits at --batch-size (models.scale; "
+               "the table of every mode is printed)")
     g.add("--no-mesa-dist-sync", action="store_true",
           help="do not all-reduce the quantizers' range statistics across ranks before the EMA update")
 

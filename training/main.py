@@ -95,6 +95,17 @@ def _check_memory_args(args) -> None:
         raise UsageError("--batch-size auto needs --memory-budget-gb (the batch is the largest whose plan fits)")
     if budget is not None and args.eval:
         raise UsageError("--memory-budget-gb plans training memory; not with --eval")
+    axis = getattr(args, "scale_model", None)
+    if axis:
+        if budget is None:
+            raise UsageError(f"--scale-model {axis} needs --memory-budget-gb (the budget the model grows into)")
+        if args.batch_size == "auto":
+            raise UsageError("--scale-model with --batch-size auto: give the batch (one of the two grows)")
+        if args.resume or args.finetune:
+            raise UsageError(f"--scale-model {axis}: not with --resume / --finetune (their weights fix the size)")
+        clash = set(models.scale.variant_kwargs(args.model, axis, 1)) & set(args.model_kwargs or {})
+        if clash:
+            raise UsageError(f"--scale-model {axis} sets {', '.join(sorted(clash))}: drop it from --model-kwargs")
 
 
 def run_files(output_dir: str) -> list[str]:
@@ -257,6 +268,26 @@ def _load_weights(args, model):
     return obj
 
 
+def _scale_model(args, num_classes: int) -> None:
+    """``--scale-model``: the largest variant whose memory plan fits (rank 0 measures, all take
+    its choice); ``args.model_kwargs`` gets its arguments."""
+    res, err = None, None
+    if get_rank() == 0:
+        kw = dict(args.model_kwargs or {}, num_classes=num_classes)
+        res = models.scale.largest_variant(args.model, args.memory_budget_gb * 1e9, args.batch_size,
+                                           args.scale_model, input_size=args.input_size, model_kwargs=kw)
+        if not res.best["plan"]:
+            err = f"--scale-model {args.scale_model}: " + res.table().splitlines()[0] + " none (not even step 1)"
+    res, err = all_gather_object((res, err))[0]
+    if err:
+        raise UsageError(err)
+    log(res.table())
+    args.model_kwargs = {**(args.model_kwargs or {}), **res.kwargs("plan")}
+    kw = " ".join(f"{k}={v}".replace(" ", "") for k, v in res.kwargs("plan").items())
+    log(f"--scale-model {args.scale_model}: {args.model} with {kw} (a --resume of this run needs "
+        f"--model-kwargs {kw})")
+
+
 def _restart_ema(model_ema, model) -> None:
     """The EMA set to the model's current weights."""
     if isinstance(model_ema, fsdp.ShardedModelEma):
@@ -328,6 +359,8 @@ def _run(args, dist_info) -> dict:
     if not args.eval:  # evaluation builds no training split
         train_set, _ = data.build_dataset(True, args)
 
+    if getattr(args, "scale_model", None):
+        _scale_model(args, num_classes)
     model = build_model(args, num_classes).to(device)
     plan_info = None
     if args.memory_budget_gb is not None:

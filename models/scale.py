@@ -1,0 +1,162 @@
+"""The paper's second claim as a tool: re-invest an activation-memory budget in model size.
+
+    res = models.scale.largest_variant("deit_small_patch16_224", budget=2e9, batch_size=64,
+                                       axis="width")
+    print(res.table())          # the largest width that fits, exact and under Mesa
+    model = models.create_model("deit_small_patch16_224", **res.kwargs("plan"))
+
+A family grows along one axis in steps (timm's constructor arguments, :data:`STEPS`):
+
+* DeiT: width k -> ``embed_dim=64k, num_heads=k`` (head dim 64, as DeiT-Ti/S/B: k = 3/6/12);
+  depth k -> ``depth=k``.
+* Swin: width k -> ``embed_dim=32k, num_heads=(k, 2k, 4k, 8k)`` (Swin-T/B: k = 3/4);
+  depth k -> ``depths=(2, 2, 2k, 2)`` (the third stage, as Swin-T/S: k = 3/9).
+* PVT: width k -> ``embed_dims=(16k, 32k, 80k, 128k)`` (PVT-Tiny: k = 4); depth k ->
+  ``depths=(2, 2, k, 2)``.
+
+The bytes of each variant are the memory planner's (:mod:`mesa_ops.planner`): saved for backward
+in one training step at ``batch_size`` (measured at a probe batch and scaled linearly; 1 GB = 1e9
+bytes), per mode: ``exact``; ``mesa8`` / ``mesa4`` (every Mesa unit at those bits); ``mesa8+cckpt``
+(every block checkpointed with its input packed at 8 bits, the rest at 8 bits); ``plan`` (the
+planner's least-error plan within the budget: bits per layer and checkpointing per block).
+Bytes grow with the step, so the largest fitting step of each mode is found by bisection over
+the steps (each variant measured once, on the CPU).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from mesa_ops import planner as P
+from mesa_ops.audit import format_bytes
+
+from .registry import create_model, model_entry
+
+__all__ = ["AXES", "MODES", "STEPS", "ScaleResult", "largest_variant", "variant_kwargs"]
+
+AXES = ("width", "depth")
+MODES = ("exact", "mesa8", "mesa4", "mesa8+cckpt", "plan")
+STEPS = {
+    "deit": {"width": lambda k: dict(embed_dim=64 * k, num_heads=k), "depth": lambda k: dict(depth=k)},
+    "swin": {"width": lambda k: dict(embed_dim=32 * k, num_heads=(k, 2 * k, 4 * k, 8 * k)),
+             "depth": lambda k: dict(depths=(2, 2, 2 * k, 2))},
+    "pvt": {"width": lambda k: dict(embed_dims=(16 * k, 32 * k, 80 * k, 128 * k)),
+            "depth": lambda k: dict(depths=(2, 2, k, 2))},
+}
+MAX_STEP = {"width": 16, "depth": 32}
+
+
+def variant_kwargs(name: str, axis: str, k: int) -> dict:
+    """The constructor arguments of step ``k`` along ``axis`` of ``name``'s family."""
+    fam = model_entry(name).family
+    if fam not in STEPS:
+        raise ValueError(f"{name}: no size steps for family {fam!r} (known: {', '.join(STEPS)})")
+    if axis not in AXES:
+        raise ValueError(f"axis {axis!r}: expected one of {AXES}")
+    return STEPS[fam][axis](int(k))
+
+
+@dataclass
+class ScaleResult:
+    name: str
+    axis: str
+    budget: int
+    batch_size: int
+    best: dict                                     # mode -> largest fitting step (0: none fits)
+    max_step: int = 0                              # the largest step tried
+    measured: dict = field(default_factory=dict)   # step -> {mode: bytes, 'params': n}
+    plans: dict = field(default_factory=dict)      # step -> Plan (or the PlanError text)
+
+    def kwargs(self, mode: str = "plan") -> dict:
+        k = self.best.get(mode, 0)
+        if not k:
+            raise P.PlanError(f"{self.name}: no {self.axis} step fits {format_bytes(self.budget)} at batch "
+                              f"{self.batch_size} with {mode}")
+        return variant_kwargs(self.name, self.axis, k)
+
+    def table(self) -> str:
+        """One line per mode: the largest step, its arguments, parameters and saved bytes."""
+        lines = [f"largest {self.axis} of {self.name} whose saved activations fit "
+                 f"{format_bytes(self.budget)} ({self.budget / 1e9:g} GB) at batch {self.batch_size}:"]
+        for mode in MODES:
+            k = self.best.get(mode, 0)
+            if not k:
+                lines.append(f"  {mode:12s} none (step 1 does not fit)")
+                continue
+            m = self.measured[k]
+            kw = ", ".join(f"{a}={v}" for a, v in variant_kwargs(self.name, self.axis, k).items())
+            top = " (the largest step tried)" if k == self.max_step else ""
+            lines.append(f"  {mode:12s} step {k:2d} ({kw}): {m['params'] / 1e6:.1f}M parameters, "
+                         f"{format_bytes(m[mode])} saved{top}")
+        return "\n".join(lines)
+
+
+def _mode_bytes(prof, batch_size: int, budget: int) -> tuple[dict, object]:
+    scale = batch_size / prof.probe_batch
+    out = {}
+    st = P._State(prof, scale)
+    out["exact"] = st.cost()[0]
+    for bits in (8, 4):
+        st = P._State(prof, scale)
+        for u in prof.units:
+            st.bits[u.name] = bits
+        out[f"mesa{bits}"] = st.cost()[0]
+    st = P._State(prof, scale)
+    for u in prof.units:
+        st.bits[u.name] = 8
+    for b in prof.blocks:
+        st.apply(("ckpt", b.name, "exact"))
+        if prof.packed_ckpt:
+            st.apply(("ckpt", b.name, "packed8"))
+    out["mesa8+cckpt"] = st.cost()[0] + st.reserve()
+    try:
+        plan = P.make_plan(prof, budget, batch_size)
+        out["plan"] = plan.est_bytes
+    except P.PlanError as exc:
+        plan = str(exc)
+        out["plan"] = math.inf
+    return out, plan
+
+
+def largest_variant(name: str, budget: float, batch_size: int, axis: str = "width", *, input_size: int = 224,
+                    model_kwargs: dict | None = None, probe_batch: int = 1, max_step: int | None = None,
+                    verbose=None) -> ScaleResult:
+    """The largest step of ``name``'s family along ``axis`` whose saved activations at
+    ``batch_size`` fit ``budget`` bytes, per mode of :data:`MODES` (see the module docstring).
+    ``model_kwargs``: other constructor arguments (kept; the axis's own are set per step);
+    ``max_step``: the largest step tried (default 16 for width, 32 for depth)."""
+    verbose = verbose or (lambda *_: None)
+    budget = int(budget)
+    hi_step = int(max_step or MAX_STEP[axis])
+    variant_kwargs(name, axis, 1)  # checks the family and axis
+    res = ScaleResult(name, axis, budget, batch_size, {}, hi_step)
+
+    def measure(k: int) -> dict:
+        if k not in res.measured:
+            kw = {**(model_kwargs or {}), **variant_kwargs(name, axis, k)}
+            torch.manual_seed(0)
+            model = create_model(name, img_size=input_size, **kw)
+            x = torch.randn(probe_batch, 3, input_size, input_size)
+            prof = P.measure(model, x, time_steps=1)
+            got, plan = _mode_bytes(prof, batch_size, budget)
+            got["params"] = sum(p.numel() for p in model.parameters())
+            res.measured[k], res.plans[k] = got, plan
+            verbose(f"{name} {axis} step {k}: " + ", ".join(
+                f"{m} {format_bytes(v) if math.isfinite(v) else 'no plan'}" for m, v in got.items() if m != "params"))
+            del model
+        return res.measured[k]
+
+    # a mode that never keeps more than another fits at least the other's step: start there
+    floor = {"mesa8": "exact", "mesa4": "mesa8", "plan": "exact"}
+    for mode in MODES:
+        lo, hi = res.best.get(floor.get(mode), 0), hi_step + 1  # lo fits (0: nothing), hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if measure(mid)[mode] <= budget:
+                lo = mid
+            else:
+                hi = mid
+        res.best[mode] = lo
+    return res
