@@ -1,0 +1,91 @@
+"""Host (Python + dispatch) time per stored activation: what Mesa costs a step when the tensors are
+too small for the kernels to matter (issue 36, item 4).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.host_time
+
+On tiny tensors (2 x 4 x 64) a layer's time is host time. Per row, microseconds per call:
+
+* ``bare C++``: the extension's ``quantize_step`` called directly (the floor of one stored
+  activation: the argument parsing and the kernel on 512 elements);
+* ``quantize``: ``QuantMixin.quantize`` (the Python path around that call: state, layout,
+  draws, the prefix rows);
+* ``layer fwd`` / ``plain fwd``: the Mesa layer's training forward against its ``nn`` layer's
+  (an autograd Function, saving the packed copy);
+* ``layer fwd+bwd`` / ``plain fwd+bwd``: the same with the backward (dequantize and gradient).
+
+The difference ``layer - plain`` is what Mesa adds per stored activation on the host; a
+DeiT-Ti step stores ~86, so at small batches it bounds the step time from below.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+import mesa_ops as ms
+from mesa_ops import backend
+
+__all__ = ["measure", "main"]
+
+
+def _us(fn, n: int) -> float:
+    for _ in range(max(20, n // 10)):
+        fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def _cases():
+    x = torch.randn(2, 4, 64)
+    return [("Linear 64->64", ms.layers.Linear(64, 64, quant_groups=2), nn.Linear(64, 64), x),
+            ("LayerNorm 64", ms.layers.LayerNorm(64, quant_groups=2), nn.LayerNorm(64), x),
+            ("GELU", ms.layers.GELU(quant_groups=2), nn.GELU(), x)]
+
+
+def measure(n: int = 2000) -> list[dict]:
+    """One row per layer of :func:`_cases` (microseconds per call)."""
+    rows = []
+    for name, mesa, plain, x in _cases():
+        mesa.enable = True
+        mesa.train(), plain.train()
+        xg = x.clone().requires_grad_()
+        xs = x.detach()
+        be = backend.kernel_for(backend.get_backend(xs), xs, xs.dtype, 8)
+        clip, shift, it = mesa._state()
+        g, inner = mesa.groups_for(xs.shape)
+        draws = mesa._draws_for(it)
+
+        def bare():
+            be.quantize_step(xs, g, inner, clip, shift, it, 0.9, 0.1, 1, 8, False, 0, draws, True, False, True)
+
+        def step(m):
+            def f():
+                m(xg).sum().backward()
+            return f
+        rows.append({"layer": name, "bare C++": _us(bare, n), "quantize": _us(lambda: mesa.quantize(xs), n),
+                     "layer fwd": _us(lambda: mesa(xg), n), "plain fwd": _us(lambda: plain(xg), n),
+                     "layer fwd+bwd": _us(step(mesa), n // 2), "plain fwd+bwd": _us(step(plain), n // 2)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["layer", "bare C++", "quantize", "layer fwd", "plain fwd", "layer fwd+bwd", "plain fwd+bwd",
+            "Mesa adds"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        add = r["layer fwd+bwd"] - r["plain fwd+bwd"]
+        out.append(f"| {r['layer']} | " + " | ".join(f"{r[c]:.1f}" for c in cols[1:-1]) + f" | {add:.1f} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    print(f"# host time per call (us), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          "tensors 2 x 4 x 64")
+    print(table(measure()))
+
+
+if __name__ == "__main__":
+    main()
