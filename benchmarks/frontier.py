@@ -173,13 +173,13 @@ class _Plans:
         return path
 
 
-def build(name: str, mode: str, input_size: int, plans: _Plans | None = None):
+def build(name: str, mode: str, input_size: int, plans: _Plans | None = None, model_kwargs: dict | None = None):
     """(model in train mode, what its mode wrapped) for an eager frontier mode."""
     from models import create_model
     from mesa_ops import planner as P
 
     torch.manual_seed(0)
-    model = create_model(name, img_size=input_size)
+    model = create_model(name, img_size=input_size, **(model_kwargs or {}))
     wrapped = []
     if mode == "ckpt":
         wrapped = wrap_blocks(model, None)
@@ -235,22 +235,25 @@ def _interleave(steppers: list, warmup: int, steps: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def measure_eager(name: str, modes: list[str], batch: int, input_size: int, warmup: int, steps: int) -> list[dict]:
+def measure_eager(name: str, modes: list[str], batch: int, input_size: int, warmup: int, steps: int,
+                  model_kwargs: dict | None = None) -> list[dict]:
     """Saved bytes and interleaved step times of the eager ``modes`` (one process)."""
     from models import create_model
 
     x = torch.randn(batch, 3, input_size, input_size, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(1))
     built, rows = {}, []
-    exact_model, _ = build(name, "exact", input_size)
+    exact_model, _ = build(name, "exact", input_size, model_kwargs=model_kwargs)
     exact_saved = _saved(exact_model, x, [])
     with tempfile.TemporaryDirectory() as d:
         plans = None
         if any(m.startswith("plan@") for m in modes):
-            plans = _Plans(name, lambda: create_model(name, img_size=input_size), batch, exact_saved, d)
+            plans = _Plans(name, lambda: create_model(name, img_size=input_size, **(model_kwargs or {})), batch,
+                           exact_saved, d)
         for mode in modes:
             try:
-                built[mode] = build(name, mode, input_size, plans) if mode != "exact" else (exact_model, [])
+                built[mode] = build(name, mode, input_size, plans, model_kwargs) if mode != "exact" \
+                    else (exact_model, [])
             except (ms.planner.PlanError, ValueError) as exc:
                 rows.append({"mode": mode, "saved_bytes": 0, "step_time_s": float("nan"),
                              "note": str(exc).split(";")[0][:120]})
@@ -261,7 +264,8 @@ def measure_eager(name: str, modes: list[str], batch: int, input_size: int, warm
     return rows
 
 
-def measure_compiled(name: str, mode: str, batch: int, input_size: int, warmup: int, steps: int) -> dict:
+def measure_compiled(name: str, mode: str, batch: int, input_size: int, warmup: int, steps: int,
+                     model_kwargs: dict | None = None) -> dict:
     """A compiled mode beside an eager exact reference (this process): saved bytes, its step
     time and the ratio to the reference's (stepped in turn)."""
     import torch._functorch.config as fconf
@@ -269,8 +273,8 @@ def measure_compiled(name: str, mode: str, batch: int, input_size: int, warmup: 
     budget = float(mode.split("@")[1])
     x = torch.randn(batch, 3, input_size, input_size, generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 1000, (batch,), generator=torch.Generator().manual_seed(1))
-    ref, _ = build(name, "exact", input_size)
-    model, _ = build(name, mode, input_size)
+    ref, _ = build(name, "exact", input_size, model_kwargs=model_kwargs)
+    model, _ = build(name, mode, input_size, model_kwargs=model_kwargs)
     fconf.activation_memory_budget = budget
     compiled = torch.compile(model)
     t0 = time.perf_counter()
@@ -285,7 +289,11 @@ def measure_compiled(name: str, mode: str, batch: int, input_size: int, warmup: 
 def _worker(args: list, timeout: float | None) -> object:
     cmd = [sys.executable, "-m", "benchmarks.frontier", json.dumps(args)]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"frontier worker {args[:3]} took more than {timeout} s") from exc
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith(("[", "{"))]
     if p.returncode != 0 or not lines:
         raise RuntimeError(f"frontier worker {args[:2]} failed:\n{p.stderr[-3000:]}")
@@ -293,15 +301,17 @@ def _worker(args: list, timeout: float | None) -> object:
 
 
 def frontier(name: str, modes: list[str], batch: int = 8, input_size: int = 224, warmup: int = 2,
-             steps: int = 5, timeout: float | None = None) -> list[FrontierRow]:
-    """The frontier rows of one model (each group of modes in fresh worker processes)."""
+             steps: int = 5, timeout: float | None = None, model_kwargs: dict | None = None) -> list[FrontierRow]:
+    """The frontier rows of one model (each group of modes in fresh worker processes);
+    ``model_kwargs``: constructor arguments (e.g. Swin's ``window_size`` at another input size)."""
+    kw = dict(model_kwargs or {})
     eager = [m for m in modes if "compile@" not in m]
     if "exact" not in eager:
         eager.insert(0, "exact")
-    rows = {r["mode"]: r for r in _worker(["eager", name, eager, batch, input_size, warmup, steps], timeout)}
+    rows = {r["mode"]: r for r in _worker(["eager", name, eager, batch, input_size, warmup, steps, kw], timeout)}
     base = rows["exact"]
     for m in [m for m in modes if "compile@" in m]:
-        r = _worker(["compiled", name, m, batch, input_size, warmup, steps], timeout)
+        r = _worker(["compiled", name, m, batch, input_size, warmup, steps, kw], timeout)
         # the ratio to its own eager reference, on the shared exact time
         r["time_x"] = r["step_time_s"] / r["ref_time_s"]
         r["step_time_s"] = r["time_x"] * base["step_time_s"]

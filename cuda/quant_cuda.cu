@@ -32,6 +32,7 @@
 #else
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
 #define MESA_LAUNCH(kernel, grid, block, ...)                                          \
   do {                                                                                 \
@@ -332,16 +333,27 @@ int64_t extent_of(const at::Tensor& xr, int64_t row_len, int64_t row_stride) {
 // minmax_kernel's last-block counter: one zeroed int per (device, stream), allocated (and zeroed)
 // on first use and reset to 0 by the last block of every launch, so a call costs no fill launch.
 // Launches on one stream run in order, so they never share it concurrently. The cache is never
-// destroyed (device memory must not be freed after the CUDA context at exit).
-unsigned* persistent_counter(const at::Tensor& like) {
+// destroyed (device memory must not be freed after the CUDA context at exit). While the stream
+// is captured into a CUDA graph, the call gets a counter of its own instead (`fresh`, zeroed by
+// a fill the graph captures: each replay starts from 0 whatever stream replays it, and no fill of
+// the shared one is captured instead of run).
+unsigned* persistent_counter(const at::Tensor& like, at::Tensor* fresh) {
+#if !defined(MESA_CUDA_EMULATION)
+  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+    *fresh = at::zeros({1}, like.options().dtype(at::kInt));
+    return reinterpret_cast<unsigned*>(fresh->data_ptr<int>());
+  }
+#else
+  // emulated: the launches of a thread run in order (one counter per thread, as per stream)
+  (void)fresh;
+  static thread_local at::Tensor mine;
+  if (!mine.defined()) mine = at::zeros({1}, like.options().dtype(at::kInt));
+  return reinterpret_cast<unsigned*>(mine.data_ptr<int>());
+#endif
   static std::mutex mu;
   static auto* cache = new std::map<std::pair<int, int64_t>, at::Tensor>();
-#if defined(MESA_CUDA_EMULATION)
-  const std::pair<int, int64_t> key{-1, 0};
-#else
   const std::pair<int, int64_t> key{static_cast<int>(like.device().index()),
                                     static_cast<int64_t>(at::cuda::getCurrentCUDAStream().id())};
-#endif
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
   if (it == cache->end())
@@ -362,7 +374,8 @@ void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const flo
   const int64_t chunk = std::max<int64_t>(1, (per_group + want - 1) / want);
   const int64_t chunks = std::max<int64_t>(1, (per_group + chunk - 1) / chunk);
   auto part = at::empty({3, groups, chunks}, xr.options().dtype(at::kFloat));
-  unsigned* u = persistent_counter(xr);
+  at::Tensor fresh;
+  unsigned* u = persistent_counter(xr, &fresh);
   const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
   const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(groups));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_minmax_cuda", [&] {

@@ -41,7 +41,8 @@ least added error per byte saved, ties by the least added time per byte, until t
 the budget; exact checkpointing adds no error, so it is preferred to quantization (least error
 first, then time, as asked). ``objective='time'`` orders the moves by added time per byte
 saved instead (ties by error) and keeps units at 8 bits or exact unless nothing else fits: the
-fastest plan for the budget, as ``tools/frontier.py`` compares it with PyTorch's own tools. No
+fastest such plan for the budget (by the estimate), as ``tools/frontier.py`` compares it with
+PyTorch's own tools. No
 configuration fits -> :class:`PlanError` naming the smallest reachable size and the bytes no option
 can reduce.
 """
@@ -193,9 +194,10 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
               objective: str = "error") -> Plan:
     """The configuration within ``budget`` bytes (saved activations at ``batch_size``) with the
     least error proxy, then the least extra time (``objective='error'``, see the module
-    docstring), or the least estimated step time, then the least error (``'time'``: units at 8
-    bits or exact, plus plain or packed checkpointing; 4 and 2 bits only where nothing else
-    fits). The recomputation transient is handled by trying each cap on the checkpointable
+    docstring), or the fastest by the estimate among the plans with units at 8 bits or exact
+    (plus plain or packed checkpointing), then the least error (``'time'``; 4 and 2 bits only
+    where none of those fits: the estimate counts no time for fewer bits, so without that rule
+    the fastest plan would pack everything at 2 bits). The recomputation transient is handled by trying each cap on the checkpointable
     blocks' own bytes (none, and each distinct block size) and keeping the best plan.
     ``checkpointing=False``: bits only."""
     if objective not in OBJECTIVES:

@@ -159,6 +159,9 @@ def _is_url(s: str) -> bool:
 
 # what a refusal of ``weights_only=True`` tells the caller to do (the tools name their own flag)
 TRUST_REMEDY = "If you trust this file, pass weights_only=False."
+# the same for the tools (tools/train.py, tools/export_weights.py): their flag
+TRUST_FLAG_REMEDY = ("If you trust this file (e.g. a full checkpoint of the original DeiT / Swin / Mesa code, "
+                     "holding its args or yacs config), add --trust-checkpoint to read it with weights_only=False.")
 
 
 def read_checkpoint(path_or_url, map_location="cpu", weights_only: bool = True, *,

@@ -24,8 +24,8 @@ import timm
 import torch
 import torch.nn as nn
 
-from .checkpoint import (CheckpointError, architecture, extract_state_dict, load_checkpoint, quantizer_keys,
-                         read_checkpoint)
+from .checkpoint import (TRUST_REMEDY, CheckpointError, architecture, extract_state_dict, load_checkpoint,
+                         quantizer_keys, read_checkpoint)
 from .registry import create_model
 
 __all__ = ["LAYOUTS", "export_checkpoint", "export_safetensors", "export_state_dict", "timm_load_call",
@@ -92,7 +92,8 @@ def _num_classes(sd: dict) -> int:
 
 
 def export_checkpoint(checkpoint, path, *, model_name: str | None = None, model_kwargs: dict | None = None,
-                      ema: bool = False, layout: str = "timm", weights_only: bool = True) -> dict:
+                      ema: bool = False, layout: str = "timm", weights_only: bool = True,
+                      trust_remedy: str = TRUST_REMEDY) -> dict:
     """Export the weights of a training checkpoint (``tools/train.py``'s ``checkpoint.pth``, an
     ``--fsdp`` run's ``checkpoint_full.pth``) as safetensors: the model is rebuilt from the
     checkpoint's ``args`` (``model``, ``model_kwargs``, ``input_size``; the classes from the
@@ -100,7 +101,7 @@ def export_checkpoint(checkpoint, path, *, model_name: str | None = None, model_
     keys checked) and written by :func:`export_safetensors`. ``ema``: the EMA weights
     (``model_ema``) instead. Returns ``{'path', 'model', 'kwargs', 'keys', 'timm_name'}``."""
     src = os.fspath(checkpoint)
-    obj = read_checkpoint(src, weights_only=weights_only)
+    obj = read_checkpoint(src, weights_only=weights_only, trust_remedy=trust_remedy)
     part = obj
     if ema:
         if not (isinstance(obj, dict) and isinstance(obj.get("model_ema"), dict)):
@@ -124,9 +125,29 @@ def export_checkpoint(checkpoint, path, *, model_name: str | None = None, model_
             "timm_name": timm_name(model)}
 
 
+def _timm_kwargs(timm_model: str, kwargs: dict) -> dict:
+    """The constructor arguments stock timm's model takes: built on the meta device (no memory),
+    each argument it rejects as unexpected dropped (this repo's own, e.g. quantizer groups or
+    ``attn_impl``: they do not change the weights)."""
+    import re
+
+    kw = dict(kwargs)
+    for _ in range(len(kwargs) + 1):
+        try:
+            with torch.device("meta"):
+                timm.create_model(timm_model, pretrained=False, **kw)
+            return kw
+        except TypeError as exc:
+            m = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+            if m is None or m.group(1) not in kw:
+                return kw
+            kw.pop(m.group(1))
+    return kw
+
+
 def timm_load_call(info: dict) -> str:
     """The ``timm.create_model`` call that loads an :func:`export_checkpoint` file in stock timm."""
-    kw = dict(info["kwargs"])
+    kw = _timm_kwargs(info["timm_name"], info["kwargs"]) if info.get("timm_name") else dict(info["kwargs"])
     overlay = f"file={info['path']!r}"
     if "num_classes" in kw:
         overlay += f", num_classes={kw['num_classes']!r}"

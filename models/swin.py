@@ -262,7 +262,7 @@ class BasicLayer(nn.Module):
     @property
     def grad_checkpointing(self) -> bool:
         """Whether any block of the stage has ``with_cp``."""
-        return any(blk.with_cp for blk in self.blocks)
+        return any(getattr(blk, "with_cp", False) for blk in self.blocks)
 
     @grad_checkpointing.setter
     def grad_checkpointing(self, enable: bool) -> None:
@@ -279,7 +279,9 @@ class BasicLayer(nn.Module):
             if torch.jit.is_scripting():
                 x = blk(x)
             else:
-                x = run_block(blk, x, enable=blk.with_cp, bits=self.grad_checkpointing_bits)
+                # (a block wrapped from outside, e.g. by mesa_ops.checkpoint.wrap_blocks, has no
+                # with_cp: it runs as its wrapper says)
+                x = run_block(blk, x, enable=getattr(blk, "with_cp", False), bits=self.grad_checkpointing_bits)
         return x
 
     def forward(self, x):

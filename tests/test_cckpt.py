@@ -86,6 +86,20 @@ def test_eval_and_no_grad_run_the_block_and_errors():
         checkpoint_block(Block(64, 2).train(), torch.ones(2, 5, 64, dtype=torch.long), bits=8)
 
 
+@pytest.mark.parametrize("name", ["swin_tiny_patch4_window7_224", "pvt_tiny"])
+def test_wrap_blocks_on_swin_and_pvt(name):
+    """Blocks wrapped from outside (CheckpointedBlock has no with_cp of its own) run and train."""
+    torch.manual_seed(0)
+    kw = dict(img_size=32, window_size=4) if name.startswith("swin") else dict(img_size=32)
+    m = models.create_model(name, num_classes=10, drop_path_rate=0., **kw).train()
+    x = torch.rand(2, 3, 32, 32)
+    y0 = m(x)
+    wrapped = wrap_blocks(m, bits=8)
+    assert wrapped and torch.equal(m(x), y0)
+    m(x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters() if p.requires_grad)
+
+
 def test_wrap_blocks_selection_on_a_model():
     torch.manual_seed(0)
     m = models.create_model("deit_tiny_patch16_224", img_size=32, depth=4, num_classes=10,

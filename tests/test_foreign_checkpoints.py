@@ -171,7 +171,11 @@ def test_resume_of_original_layout_keeps_fitting_ranges(trained, tmp_path, capsy
     groups = ck["model"]["blocks.0.norm1.clip_val"].numel()
     sd["blocks.0.norm1.clip_val"] = torch.ones(2 * groups)  # trained with other groups than this model's
     sd["blocks.0.norm1.shift"] = torch.zeros(2 * groups)
-    obj = dict(ck, model=sd)
+    ema = {"module." + k: v for k, v in _original_deit_layout(
+        {k[len("module."):]: v for k, v in ck["model_ema"].items()}).items()}
+    ema["module.blocks.0.norm1.clip_val"] = torch.ones(2 * groups)  # the EMA holds the same shapes
+    ema["module.blocks.0.norm1.shift"] = torch.zeros(2 * groups)
+    obj = dict(ck, model=sd, model_ema=ema)
     obj.pop("checksum")
     torch.save(obj, path)
     out = tmp_path / "cont"
@@ -189,6 +193,11 @@ def test_resume_of_original_layout_keeps_fitting_ranges(trained, tmp_path, capsy
     assert float(after["blocks.0.norm1.iteration"]) == steps
     assert float(after["blocks.0.norm2.iteration"]) == before + steps
     assert float(after["patch_embed.proj.iteration"]) == 0  # (mesa8 leaves the stem exact)
+    # the EMA was taken from the checkpoint (its weights), its mismatched quantizers afresh
+    ema_after = torch.load(out / "checkpoint.pth", weights_only=True)["model_ema"]
+    assert ema_after["module.blocks.0.norm1.clip_val"].shape == (groups,)
+    w0, w1 = ck["model_ema"]["module.head.weight"], ema_after["module.head.weight"]
+    assert (w1 - w0).abs().max() < 1e-3 < (w1 - after["head.weight"]).abs().max()
 
 
 # ---- item 2: safetensors -------------------------------------------------------------------------------
@@ -240,7 +249,7 @@ def test_safetensors_for_finetune_eval_and_the_export_tool(trained, tmp_path, ca
     # --resume from weights alone: the model EMA starts from them, not from the initialisation
     run(TINY + ["--epochs", "1", "--resume", out, "--output-dir", tmp_path / "rs", "--model-ema-eval"])
     text = capsys.readouterr().out
-    assert "holds none; it starts from the loaded weights" in text
+    assert "it starts from the loaded weights" in text
     assert len([ln for ln in text.splitlines() if ln.startswith("Accuracy of the EMA model")]) == 1
     ema_head = torch.load(tmp_path / "rs" / "checkpoint.pth", weights_only=True)["model_ema"]["module.head.weight"]
     loaded = load_file(str(out))["head.weight"]

@@ -94,7 +94,8 @@ def test_sharded_model_ema_is_model_ema_v3_and_applied_restores(one_rank):
         opt.zero_grad()
 
     plain = _mesa_model()
-    sharded = fsdp.wrap(copy.deepcopy(plain), torch.device("cpu"))
+    # (reshard_after_forward=False: after a forward the unsharded parameters stay registered)
+    sharded = fsdp.wrap(copy.deepcopy(plain), torch.device("cpu"), reshard_after_forward=False)
     ref = ModelEmaV3(plain, decay=0.8)
     ema = fsdp.ShardedModelEma(sharded, 0.8)
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -114,8 +115,14 @@ def test_sharded_model_ema_is_model_ema_v3_and_applied_restores(one_rank):
         assert torch.equal(got[k], want[k]), k
     before = fsdp.full_model_state_dict(sharded)
     assert not torch.equal(before["head.weight"], got["head.weight"])
-    with ema.applied(sharded):
-        inside = fsdp.full_model_state_dict(sharded)
-        assert all(torch.equal(inside[k], got[k]) for k in got)
+    x = torch.randn(4, 3, 32, 32)
+    sharded.eval(), plain.eval(), ref.module.eval()
+    with torch.no_grad():
+        assert torch.equal(sharded(x), plain(x))  # (leaves the root's parameters unsharded)
+        with ema.applied(sharded):
+            inside = fsdp.full_model_state_dict(sharded)
+            assert all(torch.equal(inside[k], got[k]) for k in got)
+            assert torch.equal(sharded(x), ref.module(x))  # the forward runs on the EMA
+        assert torch.equal(sharded(x), plain(x))  # and on the model's own weights after
     after = fsdp.full_model_state_dict(sharded)
     assert all(torch.equal(after[k], before[k]) for k in before)

@@ -179,6 +179,8 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
     msg = _cli_error(TINY + FAKE + ["--eval", "--resume", tmp_path / "other.pth"])
     assert "does not fit the model: checkpoint is deit_tiny_patch16_224 (48-dim), model is " \
            "deit_tiny_patch16_224 (32-dim)" in msg, msg
+    assert "there is no EMA to evaluate" in _cli_error(TINY + FAKE + ["--no-model-ema", "--model-ema-eval"])
+    assert "--model-ema-force-cpu does not apply" in _cli_error(TINY + FAKE + ["--fsdp", "--model-ema-force-cpu"])
 
 
 def test_checkpoint_of_another_model_is_one_line(tmp_path):

@@ -168,7 +168,7 @@ def test_fsdp_with_model_ema_equals_ddp_resumes_and_evaluates(tmp_path, monkeypa
 
     torchrun_ema(tmp_path / "split", "--fsdp", "--stop-after", "1")
     resumed = torchrun_ema(tmp_path / "split", "--fsdp", "--resume", str(tmp_path / "split" / "checkpoint"))
-    assert "resumed from" in resumed and "holds none" not in resumed
+    assert "resumed from" in resumed and "none taken from" not in resumed
     again = torch.load(tmp_path / "split" / "checkpoint_full.pth", weights_only=True)["model_ema"]
     for k, v in ema.items():
         assert torch.equal(again[k], v), f"{k}: the EMA differs after resume"

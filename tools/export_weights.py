@@ -34,7 +34,8 @@ def main(argv=None) -> None:
     try:
         info = models.export.export_checkpoint(args.checkpoint, args.out, model_name=args.model,
                                                model_kwargs=args.model_kwargs, ema=args.ema, layout=args.layout,
-                                               weights_only=not args.trust_checkpoint)
+                                               weights_only=not args.trust_checkpoint,
+                                               trust_remedy=models.checkpoint.TRUST_FLAG_REMEDY)
     except (models.CheckpointError, ValueError, TypeError) as exc:
         sys.exit(f"error: {exc}")
     print(f"wrote {info['keys']} tensors ({args.layout} layout, {'EMA' if args.ema else 'model'} weights of "

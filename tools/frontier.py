@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict
 
 import torch
+from timm.utils import ParseKwargs
 
 from benchmarks import frontier as F
 
@@ -27,6 +28,8 @@ def main(argv=None) -> None:
     ap.add_argument("--model", nargs="+", default=["deit_small_patch16_224"])
     ap.add_argument("--modes", default="", help="comma-separated (default: " + ",".join(F.default_modes()) + ")")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile modes")
+    ap.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs, metavar="KEY=VALUE",
+                    help="model constructor arguments (e.g. window_size=4 for Swin at another input size)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--input-size", type=int, default=224)
     ap.add_argument("--steps", type=int, default=5, help="timed steps (median) after --warmup")
@@ -42,7 +45,8 @@ def main(argv=None) -> None:
     for name in args.model:
         print(f"{name}: {len(modes)} modes ...", file=sys.stderr, flush=True)
         try:
-            rows += F.frontier(name, modes, args.batch_size, args.input_size, args.warmup, args.steps)
+            rows += F.frontier(name, modes, args.batch_size, args.input_size, args.warmup, args.steps,
+                               model_kwargs=args.model_kwargs)
         except (RuntimeError, ValueError) as exc:
             sys.exit(f"error: {exc}")
     head = (f"# {platform.processor() or platform.machine()} cpu x{torch.get_num_threads()}, torch "

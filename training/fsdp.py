@@ -84,6 +84,14 @@ def wrap(model: nn.Module, device: torch.device, *, reshard_after_forward: bool 
     return model
 
 
+def _reshard(model: nn.Module) -> None:
+    """Reshard every FSDP2 unit of ``model`` (its registered parameters are the sharded DTensors
+    again); a no-op for a plain model and for units already sharded."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the same storage), any other tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -103,11 +111,17 @@ class ShardedModelEma:
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = float(decay)
+        self.reset(model)
+
+    def reset(self, model: nn.Module) -> None:
+        """The EMA set to the model's current (sharded) weights."""
+        _reshard(model)
         with torch.no_grad():
             self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     @torch.no_grad()
     def update(self, model: nn.Module, step=None) -> None:
+        _reshard(model)
         ema_f, model_f = [], []
         for k, v in model.state_dict().items():
             e, m = _local(self.state[k]), _local(v.detach())
@@ -130,23 +144,34 @@ class ShardedModelEma:
     @contextlib.contextmanager
     def applied(self, model: nn.Module):
         """The EMA's values in ``model``'s (sharded) parameters and buffers for the duration; the
-        model's own values are put back after, exactly."""
+        model's own values are put back after, exactly. The model is resharded first (a forward
+        without backward, or ``reshard_after_forward=False``, leaves FSDP2's unsharded
+        parameters registered) and again before the restore."""
+        _reshard(model)
         targets = self._targets(model)
         with torch.no_grad():
             saved = {k: _local(t.detach()).clone() for k, t in targets.items()}
-            for k, t in targets.items():
-                _local(t.detach()).copy_(_local(self.state[k]))
         try:
-            yield model
-        finally:
             with torch.no_grad():
                 for k, t in targets.items():
+                    _local(t.detach()).copy_(_local(self.state[k]))
+            yield model
+        finally:
+            _reshard(model)
+            with torch.no_grad():
+                for k, t in self._targets(model).items():
                     _local(t.detach()).copy_(saved[k])
 
-    def full_state_dict(self) -> dict:
-        """The whole EMA on the CPU (a collective for the sharded entries: every rank calls it)."""
-        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu()
-                for k, v in self.state.items()}
+    def full_state_dict(self, rank0_only: bool = False) -> dict:
+        """The whole EMA on the CPU: on every rank, or on rank 0 only (the others get {}). A
+        collective for the sharded entries: every rank calls it."""
+        out = {}
+        for k, v in self.state.items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            if not rank0_only or is_main_process():
+                out[k] = full.detach().cpu()
+            del full
+        return out
 
 
 def full_model_state_dict(model: nn.Module, rank0_only: bool = False) -> dict:

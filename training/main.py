@@ -61,6 +61,8 @@ def resolve_args(args):
         if path and "://" not in path and not os.path.isfile(path) and not (
                 flag == "--resume" and fsdp.is_sharded_checkpoint(path)):
             raise UsageError(f"{flag} {path}: no such file (or checkpoint folder)")
+    if args.model_ema_eval and not args.model_ema and not args.eval:
+        raise UsageError("--model-ema-eval with --no-model-ema: there is no EMA to evaluate")
     if args.fsdp and args.model_ema and args.model_ema_force_cpu and not args.eval:
         raise UsageError("--fsdp: --model-ema-force-cpu does not apply: the model EMA is sharded as the weights "
                          "are (each rank keeps the EMA of its own shards)")
@@ -237,8 +239,6 @@ def _val_loader(args, dist_info, val_set):
                                        drop_last=False, **_common(args))
 
 
-TRUST_REMEDY = ("If you trust this file (e.g. a full checkpoint of the original DeiT / Swin / Mesa code, "
-                "holding its args or yacs config), add --trust-checkpoint to read it with weights_only=False.")
 
 
 def read_checkpoint(args, path: str):
@@ -247,7 +247,7 @@ def read_checkpoint(args, path: str):
     if args.trust_checkpoint and not models.checkpoint.is_safetensors(path):
         log(f"WARNING: --trust-checkpoint: reading {path} with torch.load(weights_only=False), which can run "
             "code stored in the file; only for files you trust")
-    return ckpt.read_checkpoint(path, weights_only=not args.trust_checkpoint, trust_remedy=TRUST_REMEDY)
+    return ckpt.read_checkpoint(path, weights_only=not args.trust_checkpoint, trust_remedy=models.checkpoint.TRUST_FLAG_REMEDY)
 
 
 def _load_weights(args, model):
@@ -272,12 +272,16 @@ def _scale_model(args, num_classes: int) -> None:
     """``--scale-model``: the largest variant whose memory plan fits (rank 0 measures, all take
     its choice); ``args.model_kwargs`` gets its arguments."""
     res, err = None, None
-    if get_rank() == 0:
+    if get_rank() == 0:  # (an error is shipped to every rank: none waits forever)
         kw = dict(args.model_kwargs or {}, num_classes=num_classes)
-        res = models.scale.largest_variant(args.model, args.memory_budget_gb * 1e9, args.batch_size,
-                                           args.scale_model, input_size=args.input_size, model_kwargs=kw)
-        if not res.best["plan"]:
-            err = f"--scale-model {args.scale_model}: " + res.table().splitlines()[0] + " none (not even step 1)"
+        kw.pop("img_size", None)  # (--input-size sets it)
+        try:
+            res = models.scale.largest_variant(args.model, args.memory_budget_gb * 1e9, args.batch_size,
+                                               args.scale_model, input_size=args.input_size, model_kwargs=kw)
+            if not res.best["plan"]:
+                err = f"--scale-model {args.scale_model}: " + res.table().splitlines()[0] + " none (not even step 1)"
+        except (planner.PlanError, ValueError, TypeError, RuntimeError) as exc:
+            err = f"--scale-model {args.scale_model}: {exc}"
     res, err = all_gather_object((res, err))[0]
     if err:
         raise UsageError(err)
@@ -291,7 +295,7 @@ def _scale_model(args, num_classes: int) -> None:
 def _restart_ema(model_ema, model) -> None:
     """The EMA set to the model's current weights."""
     if isinstance(model_ema, fsdp.ShardedModelEma):
-        model_ema.__init__(model, model_ema.decay)
+        model_ema.reset(model)
     else:
         model_ema.set(model)
 
@@ -459,7 +463,9 @@ def _run(args, dist_info) -> dict:
             lr_scheduler.load_state_dict(obj["lr_scheduler"])
             loss_scaler.load_state_dict(obj.get("scaler", {}))
             if isinstance(model_ema, ModelEmaV3) and "model_ema" in obj:
-                model_ema.load_state_dict(obj["model_ema"])
+                # (as the weights: quantizer state of other group counts starts afresh)
+                models.load_checkpoint(model_ema.module, obj["model_ema"], verbose=lambda *_: None,
+                                       reset_quantizers=True)
             ema_loaded = bool(obj.get("model_ema_loaded")) if sharded else "model_ema" in obj
             args.start_epoch = int(obj["epoch"]) + 1
             max_accuracy = float(obj.get("max_accuracy", 0.0))
@@ -472,7 +478,8 @@ def _run(args, dist_info) -> dict:
             log(f"resumed from {args.resume} at epoch {args.start_epoch}")
         if model_ema is not None and not ema_loaded:  # not the initial weights the EMA was made of
             _restart_ema(model_ema, model_without_ddp)
-            log(f"model EMA: {args.resume} holds none; it starts from the loaded weights")
+            log(f"model EMA: none taken from {args.resume} (it holds none, or weights only to start from); "
+                "it starts from the loaded weights")
 
     if args.train_throughput:
         return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
@@ -537,7 +544,7 @@ def _run(args, dist_info) -> dict:
         full = {"model": fsdp.full_model_state_dict(model, rank0_only=True), "meta": ckpt._meta(model_without_ddp),
                 "epoch": last - 1}
         if model_ema is not None:
-            full["model_ema"] = model_ema.full_state_dict()
+            full["model_ema"] = model_ema.full_state_dict(rank0_only=True)
         if is_main_process():
             ckpt.atomic_save(full, os.path.join(args.output_dir, "checkpoint_full.pth"))
     if args.save_rank_state and args.output_dir:

@@ -211,7 +211,7 @@ class MesaBackbone(GradCheckpointing, BaseModule):
     @property
     def grad_checkpointing(self) -> bool:
         """Whether any block has ``with_cp`` (timm's name; see :attr:`with_cp`)."""
-        return any(blk.with_cp for blk in self.transformer_blocks())
+        return any(getattr(blk, "with_cp", False) for blk in self.transformer_blocks())
 
     @grad_checkpointing.setter
     def grad_checkpointing(self, enable: bool) -> None:
@@ -236,7 +236,8 @@ class MesaBackbone(GradCheckpointing, BaseModule):
         training and autograd records: bits (``with_cp_bits``, or the policy's) None -> torch's
         non-reentrant checkpoint, 8/4/2 -> the compressed one (the first argument kept packed)."""
         choice = getattr(blk, "mesa_checkpoint", None)
-        enable, bits = choice if choice is not None else (blk.with_cp, self.grad_checkpointing_bits)
+        enable, bits = choice if choice is not None else (getattr(blk, "with_cp", False),
+                                                          self.grad_checkpointing_bits)
         if not (enable and blk.training and torch.is_grad_enabled()):
             return fn(*args)
         # (the block's Mesa layers run exact inside either kind: mesa_ops.checkpoint.exact_inside)
