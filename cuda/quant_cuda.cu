@@ -338,18 +338,17 @@ int64_t extent_of(const at::Tensor& xr, int64_t row_len, int64_t row_stride) {
 // a fill the graph captures: each replay starts from 0 whatever stream replays it, and no fill of
 // the shared one is captured instead of run).
 unsigned* persistent_counter(const at::Tensor& like, at::Tensor* fresh) {
-#if !defined(MESA_CUDA_EMULATION)
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
-    *fresh = at::zeros({1}, like.options().dtype(at::kInt));
-    return reinterpret_cast<unsigned*>(fresh->data_ptr<int>());
-  }
-#else
+#if defined(MESA_CUDA_EMULATION)
   // emulated: the launches of a thread run in order (one counter per thread, as per stream)
   (void)fresh;
   static thread_local at::Tensor mine;
   if (!mine.defined()) mine = at::zeros({1}, like.options().dtype(at::kInt));
   return reinterpret_cast<unsigned*>(mine.data_ptr<int>());
-#endif
+#else
+  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
+    *fresh = at::zeros({1}, like.options().dtype(at::kInt));
+    return reinterpret_cast<unsigned*>(fresh->data_ptr<int>());
+  }
   static std::mutex mu;
   static auto* cache = new std::map<std::pair<int, int64_t>, at::Tensor>();
   const std::pair<int, int64_t> key{static_cast<int>(like.device().index()),
@@ -359,6 +358,7 @@ unsigned* persistent_counter(const at::Tensor& like, at::Tensor* fresh) {
   if (it == cache->end())
     it = cache->emplace(key, at::zeros({1}, like.options().dtype(at::kInt))).first;
   return reinterpret_cast<unsigned*>(it->second.data_ptr<int>());
+#endif
 }
 
 // The per-group min/max pass over x (any layout), finalized as `fin` says.
