@@ -486,30 +486,13 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         last = len(self.layers) - 1
         if not any(k.startswith(("head.fc.", f"layers.{last}.downsample.")) for k in sd):
             return sd
-        out = {}
-        for k, v in sd.items():
-            m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
-            if m:
-                k = f"layers.{int(m.group(1)) - 1}.downsample.{m.group(2)}"
-            elif k.startswith("head.fc."):
-                k = "head." + k[len("head.fc."):]
-            out[k] = v
-        return out
+        return _relayout(sd, -1, "head.fc.", "head.")
 
     def timm_layout(self, sd: dict) -> dict:
         """This model's state dict (official layout) -> timm's Swin layout (the inverse of
         :meth:`checkpoint_filter`), without the buffers timm derives (``derived_buffers``)."""
-        out = {}
-        for k, v in sd.items():
-            if k.rsplit(".", 1)[-1] in self.derived_buffers:
-                continue
-            m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
-            if m:
-                k = f"layers.{int(m.group(1)) + 1}.downsample.{m.group(2)}"
-            elif k.startswith("head."):
-                k = "head.fc." + k[len("head."):]
-            out[k] = v
-        return out
+        kept = {k: v for k, v in sd.items() if k.rsplit(".", 1)[-1] not in self.derived_buffers}
+        return _relayout(kept, +1, "head.", "head.fc.")
 
     def resize_checkpoint_tensor(self, name: str, value: torch.Tensor):
         """A relative position table of another window, resized to this block's; else None."""
@@ -520,6 +503,20 @@ class SwinTransformer(GradCheckpointing, PyramidHeadMixin, nn.Module):
         if name == "absolute_pos_embed" and self.ape:
             return resize_pos_embed(value, self.patches_resolution, 0)
         return None
+
+
+def _relayout(sd: dict, shift: int, head_from: str, head_to: str) -> dict:
+    """``sd`` with each ``layers.{i}.downsample.*`` key moved to stage ``i + shift`` and the
+    ``head_from`` prefix renamed ``head_to`` (Swin's official <-> timm layouts)."""
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
+        if m:
+            k = f"layers.{int(m.group(1)) + shift}.downsample.{m.group(2)}"
+        elif k.startswith(head_from):
+            k = head_to + k[len(head_from):]
+        out[k] = v
+    return out
 
 
 # timm pretrained_cfg: crop_pct 0.9 at 224 px (timm's Swin value), no crop at 384 px (TEST.CROP False in

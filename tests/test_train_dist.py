@@ -55,9 +55,9 @@ DIGITS = ["--model", "deit_tiny_patch16_224", "--model-kwargs", "patch_size=8", 
           "--warmup-epochs", "0", "--unscale-lr", "--lr", "2e-3"]
 
 
-def torchrun_digits(out: pathlib.Path, *extra) -> str:
+def torchrun_digits(out: pathlib.Path, *extra, base=DIGITS) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools" / "train.py"), *DIGITS, "--output-dir", str(out), *extra]
+           str(ROOT / "tools" / "train.py"), *base, "--output-dir", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -136,14 +136,7 @@ EMA = [a for a in DIGITS if a != "--no-model-ema"] + ["--model-ema-decay", "0.9"
 
 
 def torchrun_ema(out: pathlib.Path, *extra) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "tools" / "train.py"), *EMA, "--output-dir", str(out), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+    return torchrun_digits(out, *extra, base=EMA)
 
 
 def _ema_lines(text: str) -> list[str]:
