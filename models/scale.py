@@ -14,11 +14,15 @@ A family grows along one axis in steps (timm's constructor arguments, :data:`STE
 * PVT: width k -> ``embed_dims=(16k, 32k, 80k, 128k)`` (PVT-Tiny: k = 4); depth k ->
   ``depths=(2, 2, k, 2)``.
 
-The bytes of each variant are the memory planner's (:mod:`mesa_ops.planner`): saved for backward
-in one training step at ``batch_size`` (measured at a probe batch and scaled linearly; 1 GB = 1e9
-bytes), per mode: ``exact``; ``mesa8`` / ``mesa4`` (every Mesa unit at those bits); ``mesa8+cckpt``
-(every block checkpointed with its input packed at 8 bits, the rest at 8 bits); ``plan`` (the
-planner's least-error plan within the budget: bits per layer and checkpointing per block).
+The bytes of each variant are those saved for backward in one training step at ``batch_size``
+(measured at a probe batch and scaled linearly; 1 GB = 1e9 bytes), per mode: ``exact``; ``mesa8`` /
+``mesa4`` (every Mesa unit at those bits): an audit of the whole model so configured
+(:func:`mesa_ops.audit.audit`: a packed copy two neighbours share, such as a LayerNorm's x-hat that
+the next Linear reads, counts once); ``mesa8+cckpt`` (every block checkpointed with its input
+packed at 8 bits, the rest at 8 bits) and ``plan`` (the planner's least-error plan within the
+budget: bits per layer and checkpointing per block): the memory planner's estimates
+(:mod:`mesa_ops.planner`), which count each unit's bytes as if its neighbours were exact, so
+they lean high where neighbours share a copy.
 Bytes grow with the step, so the largest fitting step of each mode is found by bisection over
 the steps (each variant measured once, on the CPU).
 """
@@ -30,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mesa_ops import planner as P
-from mesa_ops.audit import format_bytes
+from mesa_ops.audit import audit, format_bytes
+from mesa_ops.plan_measure import _set
 
 from .registry import create_model, model_entry
 
@@ -80,7 +85,7 @@ class ScaleResult:
         """One line per mode: the largest step, its arguments, parameters and saved bytes."""
         lines = [f"largest {self.axis} of {self.name} whose saved activations fit "
                  f"{format_bytes(self.budget)} ({self.budget / 1e9:g} GB) at batch {self.batch_size}:"]
-        for mode in MODES:
+        for mode in self.best:  # (the modes searched, in order)
             k = self.best.get(mode, 0)
             if not k:
                 lines.append(f"  {mode:12s} none (step 1 does not fit)")
@@ -93,16 +98,10 @@ class ScaleResult:
         return "\n".join(lines)
 
 
-def _mode_bytes(prof, batch_size: int, budget: int) -> tuple[dict, object]:
+def _mode_bytes(prof, batch_size: int, budget: int, plan: bool = True) -> tuple[dict, object]:
+    """The planner's estimates: ``mesa8+cckpt`` and (with ``plan``) the plan's bytes."""
     scale = batch_size / prof.probe_batch
     out = {}
-    st = P._State(prof, scale)
-    out["exact"] = st.cost()[0]
-    for bits in (8, 4):
-        st = P._State(prof, scale)
-        for u in prof.units:
-            st.bits[u.name] = bits
-        out[f"mesa{bits}"] = st.cost()[0]
     st = P._State(prof, scale)
     for u in prof.units:
         st.bits[u.name] = 8
@@ -111,6 +110,8 @@ def _mode_bytes(prof, batch_size: int, budget: int) -> tuple[dict, object]:
         if prof.packed_ckpt:
             st.apply(("ckpt", b.name, "packed8"))
     out["mesa8+cckpt"] = st.cost()[0] + st.reserve()
+    if not plan:
+        return out, None
     try:
         plan = P.make_plan(prof, budget, batch_size)
         out["plan"] = plan.est_bytes
@@ -120,13 +121,28 @@ def _mode_bytes(prof, batch_size: int, budget: int) -> tuple[dict, object]:
     return out, plan
 
 
+def _configured_bytes(model, x: torch.Tensor, prof, batch_size: int) -> dict:
+    """``exact`` / ``mesa8`` / ``mesa4`` bytes of the whole model at ``batch_size``: one audited
+    training forward with every unit of ``prof`` at those bits (the model is left all exact)."""
+    scale = batch_size / x.shape[0]
+    out = {}
+    for mode, bits in (("exact", 0), ("mesa8", 8), ("mesa4", 4)):
+        _set(model, {n: bits for u in prof.units for n in u.layers})
+        out[mode] = audit(model, x, verbose=False).total_bytes * scale
+    _set(model, {})
+    return out
+
+
 def largest_variant(name: str, budget: float, batch_size: int, axis: str = "width", *, input_size: int = 224,
                     model_kwargs: dict | None = None, probe_batch: int = 1, max_step: int | None = None,
-                    verbose=None) -> ScaleResult:
+                    verbose=None, modes=MODES) -> ScaleResult:
     """The largest step of ``name``'s family along ``axis`` whose saved activations at
-    ``batch_size`` fit ``budget`` bytes, per mode of :data:`MODES` (see the module docstring).
-    ``model_kwargs``: other constructor arguments (kept; the axis's own are set per step);
-    ``max_step``: the largest step tried (default 16 for width, 32 for depth)."""
+    ``batch_size`` fit ``budget`` bytes, per mode of ``modes`` (of :data:`MODES`; see the module
+    docstring). ``model_kwargs``: other constructor arguments (kept; the axis's own are set per
+    step); ``max_step``: the largest step tried (default 16 for width, 32 for depth)."""
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"largest_variant: unknown mode(s) {bad}; expected some of {MODES}")
     verbose = verbose or (lambda *_: None)
     budget = int(budget)
     hi_step = int(max_step or MAX_STEP[axis])
@@ -140,7 +156,8 @@ def largest_variant(name: str, budget: float, batch_size: int, axis: str = "widt
             model = create_model(name, img_size=input_size, **kw)
             x = torch.randn(probe_batch, 3, input_size, input_size)
             prof = P.measure(model, x, time_steps=1)
-            got, plan = _mode_bytes(prof, batch_size, budget)
+            got, plan = _mode_bytes(prof, batch_size, budget, plan="plan" in modes)
+            got.update(_configured_bytes(model, x, prof, batch_size))
             got["params"] = sum(p.numel() for p in model.parameters())
             res.measured[k], res.plans[k] = got, plan
             verbose(f"{name} {axis} step {k}: " + ", ".join(
@@ -150,7 +167,7 @@ def largest_variant(name: str, budget: float, batch_size: int, axis: str = "widt
 
     # a mode that never keeps more than another fits at least the other's step: start there
     floor = {"mesa8": "exact", "mesa4": "mesa8", "plan": "exact"}
-    for mode in MODES:
+    for mode in modes:
         lo, hi = res.best.get(floor.get(mode), 0), hi_step + 1  # lo fits (0: nothing), hi does not
         while hi - lo > 1:
             mid = (lo + hi) // 2

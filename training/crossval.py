@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -40,10 +41,25 @@ from .args import get_args_parser
 from .engine import make_scaler, train_one_epoch
 from .main import _seed, build_model, build_optimizer, resolve_args
 
-__all__ = ["DEMO_TRAIN_ARGS", "MODES", "digits_all", "fold_splits", "train_fold", "crossval",
+__all__ = ["DEMO_TRAIN_ARGS", "MODES", "Arm", "digits_all", "fold_splits", "train_fold", "crossval",
            "summarize", "format_results", "plot"]
 
 MODES = {"exact": None, "mesa8": 8, "mesa4": 4, "mesa2": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One way to train the demo in a cross-validation (a named "mode" of :func:`crossval`):
+    Mesa at ``bits`` (None: exact), ``epochs`` (None: the cross-validation's), and further
+    ``tools/train.py`` arguments after the demo's (e.g. ``("--model-kwargs", ..., "depth=6")``,
+    which replaces the demo's model arguments, or ``("--warmup-epochs", "1")``)."""
+    bits: int | None = None
+    epochs: int | None = None
+    extra_args: tuple = ()
+
+    def describe(self, epochs: int) -> dict:
+        """What a run of this arm was trained with (kept in its run file, checked on resume)."""
+        return {"bits": self.bits, "epochs": self.epochs or epochs, "extra_args": list(self.extra_args)}
 _D = models.demo
 # scripts/demo.sh's tools/train.py arguments (without --epochs, --seed, --output-dir)
 DEMO_TRAIN_ARGS = ["--model", _D.DEMO_MODEL, "--model-kwargs",
@@ -93,7 +109,7 @@ def train_fold(x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, bits: int |
     layernorm, softmax, attention: ``--mesa-bits``) and validate on ``x[val_idx]``. The progress
     lines of ``train_one_epoch`` go to ``log_path`` (None: discarded). Returns ``correct``
     (validation images right, int), ``n``, ``acc1`` (%), ``saved_mib`` (saved activations of a
-    training step), ``step_ms`` (last epoch's mean), ``seconds``."""
+    training step), ``step_ms`` (last epoch's mean), ``seconds``, ``params``."""
     args = _train_args(bits, seed, epochs, extra_args)
     device = torch.device(args.device)
     t0 = time.perf_counter()
@@ -122,7 +138,7 @@ def train_fold(x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, bits: int |
     correct = int((pred == yv).sum())
     return {"correct": correct, "n": len(val_idx), "acc1": 100.0 * correct / len(val_idx),
             "saved_mib": float(stats["saved_act_mib"]), "step_ms": float(stats["step_ms"]),
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "params": sum(p.numel() for p in model.parameters())}
 
 
 def _task_key(mode: str, seed: int, fold: int) -> str:
@@ -134,17 +150,17 @@ def _digits():
     return digits_all(models.demo.DEMO_INPUT_SIZE)
 
 
-def _run_task(mode: str, seed: int, fold: int, folds: int, epochs: int, stem: str | None,
+def _run_task(mode: str, arm: Arm, seed: int, fold: int, folds: int, epochs: int, stem: str | None,
               extra_args=(), threads: int | None = None) -> dict:
-    """One (mode, seed, fold) run (in this process or a worker of :func:`crossval`); written to
-    ``stem.json`` (its log to ``stem.log``) when ``stem`` is given."""
+    """One (mode, seed, fold) run of ``arm`` (in this process or a worker of :func:`crossval`);
+    written to ``stem.json`` (its log to ``stem.log``) when ``stem`` is given."""
     if threads:
         torch.set_num_threads(threads)
     x, y = _digits()
     tr, va = fold_splits(y, folds, seed)[fold]
-    r = train_fold(x, y, tr, va, MODES[mode], seed, epochs, log_path=stem + ".log" if stem else None,
-                   extra_args=extra_args)
-    r.update(mode=mode, seed=seed, fold=fold)
+    r = train_fold(x, y, tr, va, arm.bits, seed, arm.epochs or epochs,
+                   log_path=stem + ".log" if stem else None, extra_args=tuple(extra_args) + tuple(arm.extra_args))
+    r.update(mode=mode, seed=seed, fold=fold, arm=arm.describe(epochs))
     if stem:  # (written whole or not at all: a run killed here leaves no half file for --resume)
         with open(stem + ".json.tmp", "w", encoding="utf-8") as f:
             json.dump(r, f)
@@ -173,7 +189,7 @@ def mode_seeds(modes, seeds, seeds_for: dict | None = None) -> dict:
 def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: int = 5,
              epochs: int = 30, out_dir: str | None = None, resume: bool = False, progress=print,
              extra_args=(), seeds_for: dict | None = None, jobs: int = 1,
-             threads: int | None = None) -> dict:
+             threads: int | None = None, arms: dict | None = None) -> dict:
     """Run every (seed, fold, mode); returns {``modes``, ``seeds``, ``seeds_for`` ({mode: its
     seeds}), ``folds``, ``epochs``, ``n_images``, ``runs``: [{mode, seed, fold, correct, n, acc1,
     saved_mib, step_ms, seconds}] in (seed, fold, mode) order}. ``seeds_for`` {mode: seeds} runs a
@@ -181,10 +197,13 @@ def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: in
     each run is written to ``out_dir/runs/<mode>_s<seed>_f<fold>.json`` (its log next to it);
     ``resume``: runs found there are read instead of trained. ``jobs`` > 1 trains that many runs
     at once in worker processes, each with ``threads`` threads (default 1); every run seeds
-    itself, so a run's result does not depend on where it ran."""
+    itself, so a run's result does not depend on where it ran. ``arms`` {name: :class:`Arm`}
+    defines modes beyond :data:`MODES` (bits, epochs, model arguments of their own); a run file
+    found on ``resume`` that was trained otherwise than its arm says is an error."""
+    arms = {**{m: Arm(b) for m, b in MODES.items()}, **(arms or {})}
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"crossval: unknown mode {m!r}; expected one of {', '.join(MODES)}")
+        if m not in arms:
+            raise ValueError(f"crossval: unknown mode {m!r}; expected one of {', '.join(arms)}")
     if jobs < 1:
         raise ValueError(f"crossval: jobs must be >= 1, got {jobs}")
     per_mode = mode_seeds(modes, seeds, seeds_for)
@@ -201,28 +220,39 @@ def crossval(modes=("exact", "mesa8", "mesa4", "mesa2"), seeds=(0, 1), folds: in
         if resume and stem and os.path.isfile(stem + ".json"):
             with open(stem + ".json", encoding="utf-8") as f:
                 done[t] = json.load(f)
+            _check_resumed(stem + ".json", done[t], arms[t[0]].describe(epochs))
             _report(progress, done[t])
         else:
             todo.append((t, stem))
 
     if jobs == 1:
         for (mode, seed, fold), stem in todo:
-            done[(mode, seed, fold)] = _run_task(mode, seed, fold, folds, epochs, stem, extra_args, threads)
+            done[(mode, seed, fold)] = _run_task(mode, arms[mode], seed, fold, folds, epochs, stem, extra_args,
+                                                 threads)
             _report(progress, done[(mode, seed, fold)])
     elif todo:
-        _run_pool(todo, jobs, threads or 1, folds, epochs, tuple(extra_args), done, progress)
+        _run_pool(todo, arms, jobs, threads or 1, folds, epochs, tuple(extra_args), done, progress)
     return {"modes": list(modes), "seeds": list(seeds), "seeds_for": per_mode, "folds": folds,
             "epochs": epochs, "n_images": int(len(y)), "runs": [done[t] for t in tasks]}
 
 
-def _run_pool(todo, jobs: int, threads: int, folds: int, epochs: int, extra_args: tuple, done: dict,
+def _check_resumed(path: str, run: dict, want: dict) -> None:
+    """A resumed run file must have been trained as its arm says now (files written before arms
+    were recorded: the plain modes only)."""
+    got = run.get("arm", {"bits": want["bits"], "epochs": run.get("epochs", want["epochs"]), "extra_args": []})
+    if got != want:
+        raise ValueError(f"crossval --resume: {path} was trained with {got}, its mode now means {want}: "
+                         "use another output directory or delete that run")
+
+
+def _run_pool(todo, arms: dict, jobs: int, threads: int, folds: int, epochs: int, extra_args: tuple, done: dict,
               progress) -> None:
     """The runs of ``todo`` in ``jobs`` worker processes, into ``done``. The first failure (or
     Ctrl-C) cancels the runs not yet started and is raised once the running ones have stopped."""
     ctx = multiprocessing.get_context("spawn")
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
     try:
-        futures = {pool.submit(_run_task, mode, seed, fold, folds, epochs, stem, extra_args, threads):
+        futures = {pool.submit(_run_task, mode, arms[mode], seed, fold, folds, epochs, stem, extra_args, threads):
                    (mode, seed, fold) for (mode, seed, fold), stem in todo}
         for fut in concurrent.futures.as_completed(futures):
             done[futures[fut]] = fut.result()
