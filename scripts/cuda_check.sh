@@ -24,14 +24,18 @@
 #             and mesa8, 5 + 10); exact and Mesa with the paper's explicit attention beside fused
 #             exact and our mesa8; DeiT-Ti/S, Swin-T, PVT-Ti; the CUDA kernels only
 #             (MESA_BACKEND=cuda: a kernel that fails its self-check fails the run)
+#   roofline  per kernel (quantize, dequantize, table x grad) on a DeiT-S activation at batch 128,
+#             fp16: the bytes it must move, its time, GB/s against the GPU's own copy bandwidth
+#             (benchmarks.roofline)
 # --rehearse (no GPU; in an environment like the GPU machines', e.g.
 #   PYTHON=.venv-compat/torch2.11.0-py3.12/bin/python from `bash scripts/compat.sh --torch 2.11.0
 #   --python 3.12 --setup-only`): env, deps, build (for sm_90 unless TORCH_CUDA_ARCH_LIST is set),
 #   collect (the CUDA test files collect), emulation (the CUDA kernels compiled for the host, bit
 #   for bit against the CPU kernels), bench as a dry run (every model and mode built and stepped
-#   once on the CPU at batch 1, the output files written).
+#   once on the CPU at batch 1, the output files written), roofline on the CPU kernels (small x).
 # Output: $OUT (the device tool's) or outputs/cuda_check/ (outputs/cuda_check_rehearse/): one .txt
-# per stage, stages.txt, summary.json (each stage's rc and seconds), bench_gpu.json, bench.md.
+# per stage, stages.txt, summary.json (each stage's rc and seconds), bench_gpu.json, bench.md,
+# roofline.txt.
 # Exit status: 0 when every stage passed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -51,11 +55,11 @@ CUDA_TESTS=(tests/test_cuda_kernels.py tests/test_kernels.py tests/test_amp.py t
             tests/test_layers.py)
 MODELS=(deit_tiny_patch16_224 deit_small_patch16_224 swin_tiny_patch4_window7_224 pvt_tiny)
 if [ "$REHEARSE" = 1 ]; then
-  STAGES="env deps build collect emulation bench"
+  STAGES="env deps build collect emulation bench roofline"
   OUTDIR="${OUT:-$ROOT/outputs/cuda_check_rehearse}"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # the H100 / H200 of the device tool
 else
-  STAGES="env deps build selfcheck tests bench"
+  STAGES="env deps build selfcheck tests bench roofline"
   OUTDIR="${OUT:-$ROOT/outputs/cuda_check}"
 fi
 # --only: those stages, after env and deps (always: cheap, and the others need what deps unpacks)
@@ -134,10 +138,18 @@ if [ "$ok" = 1 ]; then
       MESA_BACKEND=cuda stage bench 300 "$PY" "${BENCH[@]}" --device cuda
     fi
   fi
+  if want roofline; then
+    if [ "$REHEARSE" = 1 ]; then
+      stage roofline 60 "$PY" -m benchmarks.roofline --device cpu --shape 2 197 384 --repeats 3
+    else
+      MESA_BACKEND=cuda stage roofline 60 "$PY" -m benchmarks.roofline --device cuda
+    fi
+  fi
 fi
 sed '$ s/,$//' "$OUTDIR/summary.json.part" > "$OUTDIR/summary.json" && echo "]" >> "$OUTDIR/summary.json"
 rm -f "$OUTDIR/summary.json.part"
 echo "== cuda_check ($([ "$REHEARSE" = 1 ] && echo rehearsal || echo GPU)), $(( SECONDS - T_START )) s of a $BUDGET s budget; files in $OUTDIR"
 cat "$OUTDIR/stages.txt"
 [ -f "$OUTDIR/bench.md" ] && cat "$OUTDIR/bench.md"
+[ -f "$OUTDIR/roofline.txt" ] && cat "$OUTDIR/roofline.txt"
 exit "$FAILED"

@@ -104,3 +104,20 @@ def test_sdpa_backward_benchmark_bytes_and_table():
     assert by["consistent"]["saved_mib"] == pytest.approx(by["paper"]["saved_mib"] - lse, abs=1e-9)
     table = S.format_table(rows, 1)
     assert table.count("| deit_tiny_patch16_224 |") == 3 and "| default | union | None |" in table
+
+
+def test_roofline_rows_bytes_and_fractions(capsys):
+    """benchmarks.roofline (issue 36): each kernel's minimum bytes follow from n, the element size
+    and the bits; the fractions are of the copy's bandwidth; the CLI prints the table."""
+    from benchmarks import roofline
+
+    rows = roofline.measure((2, 17, 64), groups=2, bits=4, repeats=2)
+    n = 2 * 17 * 64
+    assert [r["kernel"] for r in rows] == ["quantize", "dequantize", "table x grad", "copy"]
+    assert [r["bytes"] for r in rows] == [4 * n + n // 2, n // 2 + 4 * n, n // 2 + 8 * n, 8 * n]
+    assert all(r["seconds"] > 0 and r["gbps"] > 0 for r in rows) and rows[-1]["of_copy"] == 1.0
+    roofline.main(["--device", "cpu", "--shape", "2", "17", "64", "--groups", "2", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "| dequantize | 2,176 |" in out and "float32, 2 groups, 8 bits" in out
+    with pytest.raises(SystemExit):
+        roofline.main(["--device", "cpu", "--shape", "2", "17", "64", "--groups", "3"])
