@@ -41,7 +41,7 @@ from models.scale import largest_variant, variant_kwargs
 from training import crossval as cv
 
 __all__ = ["AXES", "BATCH", "demo_variant_args", "budget_bytes", "choose", "step_times", "arms_for",
-           "run", "summarize", "format_table", "plot"]
+           "run", "summarize", "format_table", "summary_lines", "plot"]
 
 AXES = ("depth", "width")
 BATCH = 32  # the demo's (training.crossval.DEMO_TRAIN_ARGS)
@@ -219,6 +219,20 @@ def format_table(res: dict) -> str:
                      f"{r['planned'] / 2 ** 20:.2f} MiB | {r['saved_mib']:.2f} MiB | {r['epochs']} | "
                      f"{r['step_ms']:.1f} ms | {r['acc']:.2f}% | {diff} |")
     return "\n".join(lines)
+
+
+def summary_lines(res: dict) -> list[str]:
+    """One line per budget: exact's model and top-1, Mesa's model and its paired differences."""
+    rows = summarize(res)
+    ax = res["axis"]
+    out = []
+    for i in range(len(res["plan"])):
+        ex, m8, mt = rows[3 * i:3 * i + 3]
+        out.append(f"budget {ex['budget'] / 2 ** 20:.2f} MiB: exact {ax} {ex['step']} {ex['acc']:.2f}%; "
+                   f"Mesa 8-bit {ax} {m8['step']} ({m8['params'] / ex['params']:.1f}x the parameters) "
+                   f"{m8['diff']:+.2f} +- {m8['diff_se']:.2f} points at the same epochs, "
+                   f"{mt['diff']:+.2f} +- {mt['diff_se']:.2f} in exact's training time ({mt['epochs']} epochs)")
+    return out
 
 
 def plot(res: dict, path: str) -> str | None:

@@ -32,10 +32,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 
 from mesa_ops import planner as P
 from mesa_ops.audit import audit, format_bytes
 from mesa_ops.plan_measure import _set
+from mesa_ops.policy import mesa_layers
 
 from .registry import create_model, model_entry
 
@@ -121,13 +123,32 @@ def _mode_bytes(prof, batch_size: int, budget: int, plan: bool = True) -> tuple[
     return out, plan
 
 
-def _configured_bytes(model, x: torch.Tensor, prof, batch_size: int) -> dict:
+def _layers_on(model, x: torch.Tensor) -> list[str]:
+    """The Mesa layers the planner may switch on: all but the stem (a Conv2d that reads the image
+    ``x`` itself stays exact, as :func:`mesa_ops.planner.measure` keeps it)."""
+    stem, hooks = [], []
+    for n, m in mesa_layers(model):
+        if isinstance(m, nn.Conv2d):
+            hooks.append(m.register_forward_hook(
+                lambda mod, args, out, n=n: stem.append(n) if args and args[0] is x else None))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [n for n, _ in mesa_layers(model) if n not in stem]
+
+
+def _configured_bytes(model, x: torch.Tensor, batch_size: int) -> dict:
     """``exact`` / ``mesa8`` / ``mesa4`` bytes of the whole model at ``batch_size``: one audited
-    training forward with every unit of ``prof`` at those bits (the model is left all exact)."""
+    training forward with every layer of :func:`_layers_on` at those bits (the model is left all
+    exact)."""
     scale = batch_size / x.shape[0]
+    on = _layers_on(model, x)
     out = {}
     for mode, bits in (("exact", 0), ("mesa8", 8), ("mesa4", 4)):
-        _set(model, {n: bits for u in prof.units for n in u.layers})
+        _set(model, {n: bits for n in on})
         out[mode] = audit(model, x, verbose=False).total_bytes * scale
     _set(model, {})
     return out
@@ -155,9 +176,11 @@ def largest_variant(name: str, budget: float, batch_size: int, axis: str = "widt
             torch.manual_seed(0)
             model = create_model(name, img_size=input_size, **kw)
             x = torch.randn(probe_batch, 3, input_size, input_size)
-            prof = P.measure(model, x, time_steps=1)
-            got, plan = _mode_bytes(prof, batch_size, budget, plan="plan" in modes)
-            got.update(_configured_bytes(model, x, prof, batch_size))
+            got, plan = _configured_bytes(model, x, batch_size), None
+            if {"mesa8+cckpt", "plan"} & set(modes):  # (the planner's profile: seconds per variant)
+                planned, plan = _mode_bytes(P.measure(model, x, time_steps=1), batch_size, budget,
+                                            plan="plan" in modes)
+                got.update(planned)
             got["params"] = sum(p.numel() for p in model.parameters())
             res.measured[k], res.plans[k] = got, plan
             verbose(f"{name} {axis} step {k}: " + ", ".join(

@@ -72,3 +72,33 @@ def test_train_scales_depth_into_the_budget(tmp_path, capsys, monkeypatch):
     assert sum(1 for k in ck["model"] if re.fullmatch(r"blocks\.\d+\.norm1\.weight", k)) == depth
     with pytest.raises(training.UsageError, match="needs --memory-budget-gb"):
         training.main(parse_args([a for a in argv if a not in ("--memory-budget-gb", "0.004")]))
+
+
+def test_configured_bytes_switch_on_the_planners_units_and_match_training():
+    """exact / mesa8 / mesa4 are audits of the whole model with the planner's units on (the stem
+    exact): the same layers as mesa_ops.planner.measure's units, and the bytes a training run's
+    model (--mesa-bits 8) saves."""
+    from mesa_ops import planner as P
+    from training import crossval as cv
+    from training.main import build_model
+
+    for name, kw in (("deit_tiny_patch16_224", dict(patch_size=8, depth=2, embed_dim=64, num_heads=2)),
+                     ("pvt_tiny", dict(depths=(1, 1, 1, 1)))):
+        torch.manual_seed(0)
+        m = models.create_model(name, img_size=32, **kw)
+        x = torch.randn(2, 3, 32, 32)
+        on = scale._layers_on(m, x)
+        units = {n for u in P.measure(m, x, time_steps=1).units for n in u.layers}
+        assert set(on) == units and on, name
+    res = scale.largest_variant("deit_tiny_patch16_224", 1e18, 4, "depth", input_size=32, max_step=2,
+                                model_kwargs=dict(patch_size=8, embed_dim=64, num_heads=2), probe_batch=4,
+                                modes=("exact", "mesa8"))
+    assert set(res.best) == {"exact", "mesa8"} and len(res.table().splitlines()) == 3
+    for bits, mode in ((None, "exact"), (8, "mesa8")):
+        args = cv._train_args(bits, 0, 1, ["--model-kwargs", "patch_size=8", "depth=2", "embed_dim=64", "num_heads=2"])
+        torch.manual_seed(0)
+        model = build_model(args, 10)
+        got = ms.audit(model, torch.randn(4, 3, 32, 32), verbose=False).total_bytes
+        assert res.measured[2][mode] == got, mode
+    # the shared copies count once: mesa8 well under the planner's per-unit sum
+    assert res.measured[2]["mesa8"] < 0.3 * res.measured[2]["exact"]

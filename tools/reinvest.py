@@ -51,8 +51,10 @@ def main(argv=None):
         ap.error(str(exc))
     res["wall_seconds"] = time.time() - start
     table = R.format_table(res)
+    lines = R.summary_lines(res)
     print()
     print(table)
+    print("\n".join(lines))
     print(f"{res['wall_seconds']:.0f} s for {len(res['runs'])} runs, {args.jobs} at a time")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
@@ -61,7 +63,7 @@ def main(argv=None):
         f.write(table + "\n")
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(f"{table}\n\n{res['wall_seconds']:.0f} s for {len(res['runs'])} runs, {args.jobs} at a time; "
+            f.write(f"{table}\n\n" + "".join(f"* {line}\n" for line in lines) + f"\n{res['wall_seconds']:.0f} s for {len(res['runs'])} runs, {args.jobs} at a time; "
                     f"step times of the exact / Mesa models measured side by side: " + "; ".join(
                         f"B{i} {p['t_exact'] * 1e3:.1f} / {p['t_mesa8'] * 1e3:.1f} ms" for i, p in enumerate(res["plan"]))
                     + "\n")
