@@ -315,16 +315,20 @@ class _Extension:
         # the one-call paths, bound directly (no Python wrapper: they run once per activation)
         #   quantize_step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
         #                 range_mode, bits, update, seed_prefix, draws, stochastic,
-        #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None)
+        #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None,
+        #                 head=None)
         #     -> (packed, step, shift, all finite, (4, G) rows): range_update, then quantize
         #     with the seed ops.make_seed gives for draws[0] (advanced when update), reading x
         #     in any layout; seed_prefix is ops.seed_prefix, or with prefix_of_mix ops.salt_mix
         #     (the kernel hashes torch's generator state of x's device itself). "all finite" is
         #     a bool on CPU and None on CUDA (not known on the host without a sync: the finite
-        #     row of the (4, G) rows stays on the device, see ops.defer_nonfinite)
-        #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
-        #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None) -> out:
-        #     out = table[group][code] (* mul)
+        #     row of the (4, G) rows stays on the device, see ops.defer_nonfinite); head: an
+        #     empty x.narrow(-2, 0, P)-shaped tensor (x's dtype, float32 with row_mean) that the
+        #     codes' kernel fills with the first P rows along dim -2 of what it stores
+        #   dequantize_out(packed, step, shift, bits, groups, inner, out, head=None) -> out
+        #     (contiguous; head: exact rows of out's dtype written over its first rows along dim -2)
+        #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None) -> out:
+        #     out = table[group][code] (* mul), head's rows as they are
         #   levels(step, shift, bits, dtype) -> (G, 2^bits) dequantized values (reference.levels)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
@@ -370,11 +374,11 @@ class _FakeKernels:
         return _FakeKernels.quantize(x, None, None, args[6], groups, inner, 0), rows[1], rows[2], None, rows
 
     @staticmethod
-    def dequantize_out(packed, step, shift, bits, groups, inner, out):
+    def dequantize_out(packed, step, shift, bits, groups, inner, out, head=None):
         return out
 
     @staticmethod
-    def lut_apply_out(packed, table, bits, groups, inner, out, mul=None):
+    def lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None):
         return out
 
     @staticmethod

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
-                     pack_mask, release, save_for_backward, saved_packed, saved_tensors, with_head)
+                     pack_mask, release, save_for_backward, saved_packed, saved_tensors)
 
 
 class _GELU(torch.autograd.Function):
@@ -41,10 +41,11 @@ class _GELU(torch.autograd.Function):
         if isinstance(xq, QTensor):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
             deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
-            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
+            head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                gx = with_head(gx, torch.ops.aten.gelu_backward(
-                    g.narrow(-2, 0, xq.head.shape[-2]), xq.head.to(g.dtype), approximate=ctx.approximate))
+                head = torch.ops.aten.gelu_backward(g.narrow(-2, 0, xq.head.shape[-2]),
+                                                    xq.head.to(g.dtype), approximate=ctx.approximate)
+            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g, head=head)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
         return as_dtype(gx, ctx.x_dtype), None, None, None, None
