@@ -485,7 +485,8 @@ def _checked(be, device, dtype, bits):
 
 def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
     """Quantize, dequantize and restore through a table a small tensor (odd sizes, three groups,
-    a strided view, an outlier beyond the running range) and a long one (one group of 13 chunks,
+    a strided view, an outlier beyond the running range; its first row along dim -2 kept
+    exactly) and a long one (one group of 13 chunks,
     whose range the CUDA kernel's last block reduces with the whole block) by the kernels of
     ``be`` and by the reference on ``device``; returns None when every result is identical, else
     what differs."""
@@ -504,8 +505,12 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
         st_ref = [s.clone() for s in st]
         draws, draws_ref = torch.full((1,), 5, dtype=torch.int64), torch.full((1,), 5, dtype=torch.int64)
         prefix = 0x5EED_1234_ABCD
+        # the first row along dim -2 kept exactly (QTensor.head), written by the kernels
+        head = x.narrow(-2, 0, 1).contiguous() if x.dim() >= 3 else None
+        hout = None if head is None else torch.empty_like(head)
         packed, step, shift, _, rows = be.quantize_step(
-            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False)
+            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False,
+            False, None, None, hout)
         seed = reference.splitmix64(prefix ^ 5) & ((1 << 62) - 1)
         rrows = reference.range_update(x.contiguous(), g, inner, *st_ref, 0.9, 0.1, reference.UNION,
                                        bits, True)
@@ -515,8 +520,14 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
         rdeq = reference.dequantize(rpacked, rrows[1], rrows[2], bits, g, inner, n, dtype)
         table = reference.levels(rrows[1], rrows[2], bits, dtype)
         lut = be.lut_apply_out(rpacked, table, bits, g, inner, torch.empty(n, dtype=dtype, device=device))
-        checks = (("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
+        checks = [("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
                   ("codes", packed, rpacked), ("dequantized values", deq, rdeq),
-                  ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table))
+                  ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table)]
+        if head is not None:
+            want = rdeq.view(x.shape).clone()
+            want.narrow(-2, 0, 1).copy_(head)
+            got = be.dequantize_out(rpacked, rrows[1], rrows[2], bits, g, inner,
+                                    torch.empty(n, dtype=dtype, device=device), head)
+            checks += [("exact rows", hout, head), ("restore with exact rows", got.view(x.shape), want)]
         problems += [f"{what} ({name} input)" for what, a, b in checks if not torch.equal(a, b)]
     return ", ".join(problems) or None
