@@ -18,11 +18,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return mesa::dequantize_cpu(p, st, sh, bits, groups, inner, numel,
                                 torch::python::detail::py_object_to_dtype(dtype));
   });
-  m.def("dequantize_out_cpu", &mesa::dequantize_out_cpu, "dequantize into a contiguous CPU tensor");
+  m.def("dequantize_out_cpu", &mesa::dequantize_out_cpu,
+        "dequantize into a contiguous CPU tensor (the exact prefix rows of head over its first rows)",
+        py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
+        py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
   m.def("lut_apply_out_cpu", &mesa::lut_apply_out_cpu,
         "out = table[group][code] (* mul): a function of a stored tensor through a per-group table",
         py::arg("packed"), py::arg("table"), py::arg("bits"), py::arg("groups"), py::arg("inner"),
-        py::arg("out"), py::arg("mul") = py::none());
+        py::arg("out"), py::arg("mul") = py::none(), py::arg("head") = py::none());
   m.def("levels_cpu", [](const at::Tensor& st, const at::Tensor& sh, int64_t bits, py::object dtype) {
     return mesa::levels_cpu(st, sh, bits, torch::python::detail::py_object_to_dtype(dtype));
   }, "(G, 2^bits) values each group's codes dequantize to");
@@ -31,12 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "running-range update in place; returns (4, G): inv, step, shift, finite");
   m.def("quantize_step_cpu", &mesa::quantize_step_cpu,
         "range_update_cpu + quantize_cpu in one call, seeded from a draw counter: (packed, step, shift, all finite, (4, G) rows); "
-        "with row_mean/row_rstd (one per row of x) it stores (x - mean) * rstd",
+        "with row_mean/row_rstd (one per row of x) it stores (x - mean) * rstd; with head its first rows along dim -2 exactly",
         py::arg("x"), py::arg("groups"), py::arg("inner"), py::arg("clip_val"), py::arg("shift"),
         py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("range_mode"),
         py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
-        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
+        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none(),
+        py::arg("head") = py::none());
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA
@@ -56,10 +60,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return mesa::dequantize_cuda(p, st, sh, bits, groups, inner, numel,
                                  torch::python::detail::py_object_to_dtype(dtype));
   });
-  m.def("dequantize_out_cuda", &mesa::dequantize_out_cuda, "dequantize into a contiguous CUDA tensor");
+  m.def("dequantize_out_cuda", &mesa::dequantize_out_cuda,
+        "dequantize into a contiguous CUDA tensor (the exact prefix rows of head over its first rows)",
+        py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
+        py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
   m.def("lut_apply_out_cuda", &mesa::lut_apply_out_cuda,
         "out = table[group][code] (* mul) on CUDA", py::arg("packed"), py::arg("table"),
-        py::arg("bits"), py::arg("groups"), py::arg("inner"), py::arg("out"), py::arg("mul") = py::none());
+        py::arg("bits"), py::arg("groups"), py::arg("inner"), py::arg("out"), py::arg("mul") = py::none(),
+        py::arg("head") = py::none());
   m.def("levels_cuda", [](const at::Tensor& st, const at::Tensor& sh, int64_t bits, py::object dtype) {
     return mesa::levels_cuda(st, sh, bits, torch::python::detail::py_object_to_dtype(dtype));
   }, "(G, 2^bits) values each group's codes dequantize to");
@@ -71,11 +79,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode,
            int64_t bits, bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic,
            bool mark_nonfinite, bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-           const std::optional<at::Tensor>& row_rstd) {
+           const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
           auto r = mesa::quantize_step_cuda(x, groups, inner, clip_val, shift, iteration, decay,
                                             one_minus_decay, range_mode, bits, update, seed_prefix,
                                             draws, stochastic, mark_nonfinite, prefix_of_mix,
-                                            row_mean, row_rstd);
+                                            row_mean, row_rstd, head);
           // None where the CPU op returns its host flag: on the GPU it stays on the device
           return py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r), py::none(), std::get<3>(r));
         },
@@ -84,7 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("iteration"), py::arg("decay"), py::arg("one_minus_decay"), py::arg("range_mode"),
         py::arg("bits"), py::arg("update"), py::arg("seed_prefix"), py::arg("draws"),
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
-        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none());
+        py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none(),
+        py::arg("head") = py::none());
   m.def("generator_fingerprint_cuda", &mesa::generator_fingerprint_cuda,
         "CRC-32 of the 16-byte state of torch's default CUDA generator of a device");
 #else

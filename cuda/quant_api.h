@@ -143,6 +143,51 @@ inline int64_t row_norm_len(const char* op, const at::Tensor& x, int64_t inner,
   return len;
 }
 
+// The exact prefix rows a quantize_step / dequantize_out / lut_apply_out call writes (see
+// quant_math.h's head_index): `head` contiguous, of `dtype`, on `dev`, shaped (..., P, C), for a
+// tensor of `numel` elements with N = numel * P / head.numel() >= P rows of C along dim -2.
+// p == nullptr when no head is given.
+struct HeadRows {
+  void* p = nullptr;
+  int64_t n = 0, C = 1, N = 1, P = 1;  // head elements; the tensor's (N, C); rows kept
+};
+
+inline HeadRows head_rows(const char* op, const std::optional<at::Tensor>& head, int64_t numel,
+                          at::ScalarType dtype, const at::Device& dev) {
+  HeadRows r;
+  if (!(head.has_value() && head->defined())) return r;
+  const at::Tensor& t = *head;
+  TORCH_CHECK(t.dim() >= 2 && t.is_contiguous() && t.scalar_type() == dtype && t.device() == dev,
+              "mesa ", op, ": head must be a contiguous tensor of ", dtype, " on ", dev,
+              " with at least 2 dims");
+  if (t.numel() == 0) return r;  // (an empty batch: no rows to write)
+  r.P = t.size(-2);
+  r.C = t.size(-1);
+  r.n = t.numel();
+  const int64_t lead_c = r.n / r.P;  // the leading dims times C
+  TORCH_CHECK(numel % lead_c == 0 && numel / lead_c >= r.P, "mesa ", op, ": a head of shape ",
+              t.sizes(), " is not the first rows along dim -2 of a tensor of ", numel, " elements");
+  r.N = numel / lead_c;
+  r.p = t.data_ptr();
+  return r;
+}
+
+// head_rows for quantize_step's x: the head's shape is x.narrow(-2, 0, P)'s; its dtype x's, or
+// float32 with row statistics (the head of the stored x-hat).
+inline HeadRows head_rows_of(const char* op, const std::optional<at::Tensor>& head,
+                             const at::Tensor& x, bool normalized) {
+  const HeadRows r = head_rows(op, head, x.numel(), normalized ? at::kFloat : x.scalar_type(),
+                               x.device());
+  if (r.p == nullptr) return r;
+  const int64_t nd = x.dim();
+  bool same = head->dim() == nd && nd >= 2 && head->size(nd - 1) == x.size(nd - 1) &&
+              head->size(nd - 2) <= x.size(nd - 2);
+  for (int64_t d = 0; same && d + 2 < nd; ++d) same = head->size(d) == x.size(d);
+  TORCH_CHECK(same, "mesa ", op, ": head of shape ", head->sizes(),
+              " is not x.narrow(-2, 0, P) of x of shape ", x.sizes());
+  return r;
+}
+
 // ---- the stochastic-rounding seed (= mesa_ops.ops.make_seed), host side ----------------------
 inline uint64_t splitmix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -191,10 +236,11 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
                           at::ScalarType dtype);
 at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
                               const at::Tensor& shift, int64_t bits, int64_t groups, int64_t inner,
-                              at::Tensor out);
+                              at::Tensor out, const std::optional<at::Tensor>& head);
 at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
                              int64_t groups, int64_t inner, at::Tensor out,
-                             const std::optional<at::Tensor>& mul);
+                             const std::optional<at::Tensor>& mul,
+                             const std::optional<at::Tensor>& head);
 at::Tensor levels_cpu(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
                       at::ScalarType dtype);
 at::Tensor group_minmax_cpu(const at::Tensor& x, int64_t groups, int64_t inner);
@@ -207,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd);
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cpu();
 
 #ifdef MESA_WITH_CUDA
@@ -222,10 +268,11 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& step, con
                            at::ScalarType dtype);
 at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
                                const at::Tensor& shift, int64_t bits, int64_t groups,
-                               int64_t inner, at::Tensor out);
+                               int64_t inner, at::Tensor out, const std::optional<at::Tensor>& head);
 at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
                               int64_t groups, int64_t inner, at::Tensor out,
-                              const std::optional<at::Tensor>& mul);
+                              const std::optional<at::Tensor>& mul,
+                              const std::optional<at::Tensor>& head);
 at::Tensor levels_cuda(const at::Tensor& step, const at::Tensor& shift, int64_t bits,
                        at::ScalarType dtype);
 at::Tensor group_minmax_cuda(const at::Tensor& x, int64_t groups, int64_t inner);
@@ -238,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
     at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd);
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cuda(int64_t device);
 #endif
 

@@ -194,6 +194,37 @@ void for_code_runs(const uint8_t* in, int64_t numel, int bits, int64_t inner, in
   });
 }
 
+// The exact prefix rows into `out` (contiguous, of the head's dtype): each head row of C
+// elements over its row of out (head_source), after the codes were restored there.
+void put_head(at::Tensor& out, const HeadRows& hr) {
+  if (hr.p == nullptr) return;
+  const int64_t es = out.element_size();
+  char* o = static_cast<char*>(out.data_ptr());
+  const char* h = static_cast<const char*>(hr.p);
+  for (int64_t k = 0; k < hr.n; k += hr.C)
+    std::memcpy(o + head_source<int64_t>(k, hr.C, hr.N, hr.P) * es, h + k * es, hr.C * es);
+}
+
+// The exact prefix rows of what quantize_step stores (x as it is, or with row statistics its
+// normalized x-hat in float32) into the head (head_source: element h holds x's element e).
+void take_head(const at::Tensor& x, int64_t inner, const RowNorm& rn, const HeadRows& hr) {
+  if (hr.p == nullptr) return;
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_head_cpu", [&] {
+    const scalar_t* p = xr.data_ptr<scalar_t>();
+    for (int64_t h = 0; h < hr.n; ++h) {
+      const int64_t e = head_source<int64_t>(h, hr.C, hr.N, hr.P);
+      const scalar_t v = p[(e / row_len) * row_stride + e % row_len];
+      if (rn.mean != nullptr)
+        static_cast<float*>(hr.p)[h] =
+            normalize_one(static_cast<float>(v), rn.mean[e / rn.len], rn.rstd[e / rn.len]);
+      else
+        static_cast<scalar_t*>(hr.p)[h] = v;
+    }
+  });
+}
+
 }  // namespace
 
 namespace {
@@ -393,12 +424,13 @@ at::Tensor quantize_cpu(const at::Tensor& x, const at::Tensor& inv, const at::Te
 
 at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
                               const at::Tensor& shift, int64_t bits, int64_t groups, int64_t inner,
-                              at::Tensor out) {
+                              at::Tensor out, const std::optional<at::Tensor>& head) {
   const int64_t numel = out.numel();
   check_dequantize_args(packed, step, shift, bits, groups, inner, numel);
   TORCH_CHECK(packed.device().is_cpu() && out.device().is_cpu(),
               "mesa dequantize_cpu: packed and out must be CPU tensors");
   TORCH_CHECK(out.is_contiguous(), "mesa dequantize_out_cpu: out must be contiguous");
+  const HeadRows hr = head_rows("dequantize_out", head, numel, out.scalar_type(), out.device());
   const at::ScalarType dtype = out.scalar_type();
   const float* st = step.data_ptr<float>();
   const float* sh = shift.data_ptr<float>();
@@ -413,6 +445,7 @@ at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
         op[i] = static_cast<scalar_t>(dequantize_one(cc[i - s], stp, sft));
     });
   });
+  put_head(out, hr);
   return out;
 }
 
@@ -422,10 +455,11 @@ at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
 // restored from its codes through a 2^bits-entry table per group (Mesa GELU: its output for the
 // next Linear, its derivative for its own backward). table (G, 2^bits), mul and out: out's dtype;
 // mul and out contiguous. The product is taken in the op-math type (float for fp16/bf16), as
-// torch's mul does.
+// torch's mul does. With `head` (HeadRows) its rows are out's first rows along dim -2 as they are.
 at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
                              int64_t groups, int64_t inner, at::Tensor out,
-                             const std::optional<at::Tensor>& mul) {
+                             const std::optional<at::Tensor>& mul,
+                             const std::optional<at::Tensor>& head) {
   const int64_t numel = out.numel();
   check_packed_args("lut_apply", packed, bits, groups, inner, numel);
   TORCH_CHECK(packed.device().is_cpu(), "mesa lut_apply: packed must be a CPU tensor");
@@ -439,6 +473,7 @@ at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, 
     TORCH_CHECK(mul->device().is_cpu() && mul->is_contiguous() && mul->numel() == numel &&
                     mul->scalar_type() == out.scalar_type(),
                 "mesa lut_apply: mul must be a contiguous CPU tensor of out's dtype and size");
+  const HeadRows hr = head_rows("lut_apply", head, numel, out.scalar_type(), out.device());
   const uint8_t* in = packed.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_lut_apply_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -460,6 +495,7 @@ at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, 
       }
     });
   });
+  put_head(out, hr);
   return out;
 }
 
@@ -487,7 +523,7 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& step, cons
                           int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                           at::ScalarType dtype) {
   auto out = at::empty({numel}, packed.options().dtype(dtype));
-  dequantize_out_cpu(packed, step, shift, bits, groups, inner, out);
+  dequantize_out_cpu(packed, step, shift, bits, groups, inner, out, std::nullopt);
   return out;
 }
 
@@ -557,6 +593,8 @@ int64_t generator_fingerprint_cpu() {
 // `prefix_of_mix` the salt mix that ops.seed_prefix hashes with torch's generator state
 // (ops.salt_mix): the prefix is then splitmix64(generator_fingerprint_cpu() ^ mix), taken here
 // (the state hashed in C++, one Python step less per stored activation).
+// With `head` (HeadRows: x.narrow(-2, 0, P)'s shape, contiguous, x's dtype or float32 with row
+// statistics) the first P rows along dim -2 of what is stored are also written there exactly.
 // Returns (packed codes, step (G,), shift (G,), whether every group was finite, (4, G) rows);
 // step and shift are rows 1 and 2.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
@@ -564,10 +602,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd) {
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
   RowNorm rn;
   rn.len = row_norm_len("quantize_step_cpu", x, inner, row_mean, row_rstd);
+  const HeadRows hr = head_rows_of("quantize_step_cpu", head, x, rn.len > 0);
   if (rn.len > 0) {
     rn.mean = row_mean->data_ptr<float>();
     rn.rstd = row_rstd->data_ptr<float>();
@@ -590,6 +629,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
   auto packed = packed_for(x, bits);
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>(), rn);
+  take_head(x, inner, rn, hr);
   return {packed, params.select(0, 1), params.select(0, 2), finite, params};
 }
 

@@ -13,6 +13,8 @@
 //                    x-hat from its input and statistics)
 //   dequantize_kernel / lut_kernel / levels_kernel: restore into a given buffer, a function of
 //                    the stored tensor through a per-group table (GELU), the table's arguments
+// The exact prefix rows (HeadRows, quant_math.h's head_index): quantize_kernel also copies them
+// out of x, dequantize_kernel / lut_kernel write them over the restored rows (no copy launches).
 //
 // quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches per stored
 // activation (the last-block counter persists per stream: the last block resets it). Index math is 32-bit wherever
@@ -83,9 +85,10 @@ template <typename T, typename I>
 struct DRows {
   const T* __restrict__ p;
   I len, stride;
-  __device__ __forceinline__ float at(I e) const {
-    return static_cast<float>(len == stride ? p[e] : p[(e / len) * stride + e % len]);
+  __device__ __forceinline__ T raw(I e) const {
+    return len == stride ? p[e] : p[(e / len) * stride + e % len];
   }
+  __device__ __forceinline__ float at(I e) const { return static_cast<float>(raw(e)); }
 };
 
 // A LayerNorm's statistics, one per row of rn_len elements (norm == false: none).
@@ -246,10 +249,12 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
   if (tid == 0 && fin.op == kRange && ok) fin.iteration[0] = fadd(s_iteration, 1.0f);
 }
 
+// The codes, and with hd.p the exact prefix rows of what is stored (x, or x-hat in float32).
 template <typename T, typename I, bool NORM>
 __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ out, I n,
                                 I nbytes, int bits, I inner, I G, const float* __restrict__ inv,
-                                const float* __restrict__ shift, uint64_t seed, bool stochastic) {
+                                const float* __restrict__ shift, uint64_t seed, bool stochastic,
+                                HeadRows hd) {
   const int per = 8 / bits;
   const float maxq = static_cast<float>((1u << bits) - 1u);
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
@@ -270,6 +275,16 @@ __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ o
     }
     out[k] = static_cast<uint8_t>(byte);
   }
+  if (hd.p == nullptr) return;
+  const I C = static_cast<I>(hd.C), N = static_cast<I>(hd.N), P = static_cast<I>(hd.P);
+  for (I h = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; h < static_cast<I>(hd.n);
+       h += stride) {
+    const I e = head_source<I>(h, C, N, P);
+    if constexpr (NORM)
+      static_cast<float*>(hd.p)[h] = load<T, I, true>(x, rn, e);
+    else
+      static_cast<T*>(hd.p)[h] = x.raw(e);
+  }
 }
 
 template <typename I>
@@ -278,26 +293,48 @@ __device__ __forceinline__ uint32_t code_at(const uint8_t* __restrict__ in, I e,
   return (static_cast<uint32_t>(in[e / per]) >> ((e % per) * bits)) & ((1u << bits) - 1u);
 }
 
+// Element e of the head (hd) when it lies in the exact prefix rows: *v its value.
+template <typename T, typename I>
+__device__ __forceinline__ bool head_value(const HeadRows& hd, I e, T* v) {
+  I h;
+  if (hd.p == nullptr || !head_index<I>(e, static_cast<I>(hd.C), static_cast<I>(hd.N),
+                                        static_cast<I>(hd.P), &h))
+    return false;
+  *v = static_cast<const T*>(hd.p)[h];
+  return true;
+}
+
 template <typename T, typename I>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ in, const float* __restrict__ step,
                                   const float* __restrict__ shift, T* __restrict__ out, I n,
-                                  int bits, I inner, I G) {
+                                  int bits, I inner, I G, HeadRows hd) {
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
   for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    T v;
+    if (head_value<T, I>(hd, e, &v)) {
+      out[e] = v;
+      continue;
+    }
     const I g = (e / inner) % G;
     out[e] = static_cast<T>(dequantize_one(code_at(in, e, bits), step[g], shift[g]));
   }
 }
 
-// out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel)
+// out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel); the
+// head's rows (hd) as they are
 template <typename T, typename I>
 __global__ void lut_kernel(const uint8_t* __restrict__ in, const T* __restrict__ table,
                            const T* __restrict__ mul, T* __restrict__ out, I n, int bits, I inner,
-                           I G) {
+                           I G, HeadRows hd) {
   using acc_t = at::opmath_type<T>;
   const I levels = static_cast<I>(1) << bits;
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
   for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    T v;
+    if (head_value<T, I>(hd, e, &v)) {
+      out[e] = v;
+      continue;
+    }
     const T t = table[((e / inner) % G) * levels + code_at(in, e, bits)];
     out[e] = mul == nullptr ? t : static_cast<T>(static_cast<acc_t>(mul[e]) * static_cast<acc_t>(t));
   }
@@ -398,7 +435,8 @@ void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const flo
 
 void launch_quantize(const at::Tensor& x, const float* inv, const float* shift, int64_t bits,
                      int64_t groups, int64_t inner, int64_t seed, bool stochastic, uint8_t* out,
-                     const float* mean = nullptr, const float* rstd = nullptr, int64_t rn_len = 1) {
+                     const float* mean = nullptr, const float* rstd = nullptr, int64_t rn_len = 1,
+                     HeadRows hd = HeadRows()) {
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
   const int64_t n = xr.numel();
@@ -417,12 +455,12 @@ void launch_quantize(const at::Tensor& x, const float* inv, const float* shift, 
         auto k = &quantize_kernel<scalar_t, I, true>;
         MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
                     static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
-                    shift, useed, stochastic);
+                    shift, useed, stochastic, hd);
       } else {
         auto k = &quantize_kernel<scalar_t, I, false>;
         MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
                     static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
-                    shift, useed, stochastic);
+                    shift, useed, stochastic, hd);
       }
     });
   });
@@ -459,12 +497,13 @@ at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::T
 
 at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
                                const at::Tensor& shift, int64_t bits, int64_t groups,
-                               int64_t inner, at::Tensor out) {
+                               int64_t inner, at::Tensor out, const std::optional<at::Tensor>& head) {
   const int64_t n = out.numel();
   check_dequantize_args(packed, step, shift, bits, groups, inner, n);
   TORCH_CHECK(MESA_ON_DEVICE(packed) && out.device() == packed.device() && out.is_contiguous(),
               "mesa dequantize_out_cuda: packed and a contiguous out must be ", MESA_DEVICE_NAME,
               " tensors on one device");
+  const HeadRows hd = head_rows("dequantize_out", head, n, out.scalar_type(), out.device());
   MESA_GUARD(packed);
   if (n == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_dequantize_cuda", [&] {
@@ -473,7 +512,7 @@ at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
       auto k = &dequantize_kernel<scalar_t, I>;
       MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), step.data_ptr<float>(),
                   shift.data_ptr<float>(), out.data_ptr<scalar_t>(), static_cast<I>(n),
-                  static_cast<int>(bits), static_cast<I>(inner), static_cast<I>(groups));
+                  static_cast<int>(bits), static_cast<I>(inner), static_cast<I>(groups), hd);
     });
   });
   return out;
@@ -483,12 +522,13 @@ at::Tensor dequantize_cuda(const at::Tensor& packed, const at::Tensor& step, con
                            int64_t bits, int64_t groups, int64_t inner, int64_t numel,
                            at::ScalarType dtype) {
   auto out = at::empty({numel}, packed.options().dtype(dtype));
-  return dequantize_out_cuda(packed, step, shift, bits, groups, inner, out);
+  return dequantize_out_cuda(packed, step, shift, bits, groups, inner, out, std::nullopt);
 }
 
 at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
                               int64_t groups, int64_t inner, at::Tensor out,
-                              const std::optional<at::Tensor>& mul) {
+                              const std::optional<at::Tensor>& mul,
+                              const std::optional<at::Tensor>& head) {
   const int64_t n = out.numel();
   check_packed_args("lut_apply", packed, bits, groups, inner, n);
   const at::Device dev = packed.device();
@@ -504,6 +544,7 @@ at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table,
     TORCH_CHECK(mul->device() == dev && mul->is_contiguous() && mul->numel() == n &&
                     mul->scalar_type() == out.scalar_type(),
                 "mesa lut_apply: mul must be a contiguous tensor of out's dtype, size and device");
+  const HeadRows hd = head_rows("lut_apply", head, n, out.scalar_type(), dev);
   MESA_GUARD(packed);
   if (n == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "mesa_lut_apply_cuda", [&] {
@@ -513,7 +554,7 @@ at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table,
       MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), table.data_ptr<scalar_t>(),
                   has_mul ? mul->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
                   static_cast<I>(n), static_cast<int>(bits), static_cast<I>(inner),
-                  static_cast<I>(groups));
+                  static_cast<I>(groups), hd);
     });
   });
   return out;
@@ -590,14 +631,14 @@ int64_t generator_fingerprint_cuda(int64_t device) {
 }
 
 // quantize_step_cpu's twin: the range update (minmax_kernel, finalized on the device) and the
-// packed codes (quantize_kernel) in two launches. Returns (packed, step, shift, (4, G) rows); the
+// packed codes with the exact prefix rows when a head is given (quantize_kernel): two launches. Returns (packed, step, shift, (4, G) rows); the
 // binding adds None where the CPU op returns its host "all finite" flag.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd) {
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
   check_device_input("quantize_step_cuda", x, groups, inner);
   check_range_args("quantize_step", clip_val, shift, iteration, groups, range_mode, x.device());
   check_bits("quantize_step", bits);
@@ -605,6 +646,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
   const int64_t rn_len = row_norm_len("quantize_step_cuda", x, inner, row_mean, row_rstd);
   const float* mean = rn_len > 0 ? row_mean->data_ptr<float>() : nullptr;
   const float* rstd = rn_len > 0 ? row_rstd->data_ptr<float>() : nullptr;
+  const HeadRows hd = head_rows_of("quantize_step_cuda", head, x, rn_len > 0);
   MESA_GUARD(x);
   const int64_t seed =
       stochastic ? draw_seed(draws, static_cast<uint64_t>(seed_prefix), prefix_of_mix,
@@ -621,7 +663,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
   auto packed = packed_for(xr, bits);
   const float* r = rows.data_ptr<float>();
   launch_quantize(xr, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
-                  packed.data_ptr<uint8_t>(), mean, rstd, rn_len);
+                  packed.data_ptr<uint8_t>(), mean, rstd, rn_len, hd);
   return {packed, rows.select(0, 1), rows.select(0, 2), rows};
 }
 

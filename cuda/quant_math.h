@@ -186,6 +186,26 @@ MESA_HD void finalize_group(float lo, float hi, bool ok, bool take, float d, flo
   o[2 * G] = qlo;
 }
 
+// ---- the exact prefix rows (mesa_ops.packed.QTensor.head): the first P of the N rows along
+// dim -2 of a tensor whose last two dims are (N, C), kept exactly beside its codes, shaped like
+// x.narrow(-2, 0, P) and contiguous. The quantize / dequantize / table kernels write them.
+// Element e of the tensor (row-major) -> its index *h in the head; false when its row is >= P.
+template <typename I>
+MESA_HD bool head_index(I e, I C, I N, I P, I* h) {
+  const I r = e / C;  // the row over all leading dims
+  const I n = r % N;
+  if (n >= P) return false;
+  *h = (r / N * P + n) * C + (e - r * C);
+  return true;
+}
+
+// Head element h -> the element e of the tensor it holds (head_index's inverse).
+template <typename I>
+MESA_HD I head_source(I h, I C, I N, I P) {
+  const I r = h / C;  // the head row over all leading dims
+  return (r / P * N + r % P) * C + (h - r * C);
+}
+
 // Element e of a tensor viewed as (outer, G, inner) belongs to group (e / inner) % G.
 MESA_HD int64_t group_of(int64_t e, int64_t inner, int64_t groups) { return (e / inner) % groups; }
 

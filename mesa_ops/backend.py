@@ -315,16 +315,20 @@ class _Extension:
         # the one-call paths, bound directly (no Python wrapper: they run once per activation)
         #   quantize_step(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
         #                 range_mode, bits, update, seed_prefix, draws, stochastic,
-        #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None)
+        #                 mark_nonfinite, prefix_of_mix=False, row_mean=None, row_rstd=None,
+        #                 head=None)
         #     -> (packed, step, shift, all finite, (4, G) rows): range_update, then quantize
         #     with the seed ops.make_seed gives for draws[0] (advanced when update), reading x
         #     in any layout; seed_prefix is ops.seed_prefix, or with prefix_of_mix ops.salt_mix
         #     (the kernel hashes torch's generator state of x's device itself). "all finite" is
         #     a bool on CPU and None on CUDA (not known on the host without a sync: the finite
-        #     row of the (4, G) rows stays on the device, see ops.defer_nonfinite)
-        #   dequantize_out(packed, step, shift, bits, groups, inner, out) -> out (contiguous)
-        #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None) -> out:
-        #     out = table[group][code] (* mul)
+        #     row of the (4, G) rows stays on the device, see ops.defer_nonfinite); head: an
+        #     empty x.narrow(-2, 0, P)-shaped tensor (x's dtype, float32 with row_mean) that the
+        #     codes' kernel fills with the first P rows along dim -2 of what it stores
+        #   dequantize_out(packed, step, shift, bits, groups, inner, out, head=None) -> out
+        #     (contiguous; head: exact rows of out's dtype written over its first rows along dim -2)
+        #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None) -> out:
+        #     out = table[group][code] (* mul), head's rows as they are
         #   levels(step, shift, bits, dtype) -> (G, 2^bits) dequantized values (reference.levels)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
@@ -370,11 +374,11 @@ class _FakeKernels:
         return _FakeKernels.quantize(x, None, None, args[6], groups, inner, 0), rows[1], rows[2], None, rows
 
     @staticmethod
-    def dequantize_out(packed, step, shift, bits, groups, inner, out):
+    def dequantize_out(packed, step, shift, bits, groups, inner, out, head=None):
         return out
 
     @staticmethod
-    def lut_apply_out(packed, table, bits, groups, inner, out, mul=None):
+    def lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None):
         return out
 
     @staticmethod
@@ -481,7 +485,8 @@ def _checked(be, device, dtype, bits):
 
 def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
     """Quantize, dequantize and restore through a table a small tensor (odd sizes, three groups,
-    a strided view, an outlier beyond the running range) and a long one (one group of 13 chunks,
+    a strided view, an outlier beyond the running range; its first row along dim -2 kept
+    exactly) and a long one (one group of 13 chunks,
     whose range the CUDA kernel's last block reduces with the whole block) by the kernels of
     ``be`` and by the reference on ``device``; returns None when every result is identical, else
     what differs."""
@@ -500,8 +505,12 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
         st_ref = [s.clone() for s in st]
         draws, draws_ref = torch.full((1,), 5, dtype=torch.int64), torch.full((1,), 5, dtype=torch.int64)
         prefix = 0x5EED_1234_ABCD
+        # the first row along dim -2 kept exactly (QTensor.head), written by the kernels
+        head = x.narrow(-2, 0, 1).contiguous() if x.dim() >= 3 else None
+        hout = None if head is None else torch.empty_like(head)
         packed, step, shift, _, rows = be.quantize_step(
-            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False)
+            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False,
+            False, None, None, hout)
         seed = reference.splitmix64(prefix ^ 5) & ((1 << 62) - 1)
         rrows = reference.range_update(x.contiguous(), g, inner, *st_ref, 0.9, 0.1, reference.UNION,
                                        bits, True)
@@ -511,8 +520,14 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
         rdeq = reference.dequantize(rpacked, rrows[1], rrows[2], bits, g, inner, n, dtype)
         table = reference.levels(rrows[1], rrows[2], bits, dtype)
         lut = be.lut_apply_out(rpacked, table, bits, g, inner, torch.empty(n, dtype=dtype, device=device))
-        checks = (("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
+        checks = [("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
                   ("codes", packed, rpacked), ("dequantized values", deq, rdeq),
-                  ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table))
+                  ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table)]
+        if head is not None:
+            want = rdeq.view(x.shape).clone()
+            want.narrow(-2, 0, 1).copy_(head)
+            got = be.dequantize_out(rpacked, rrows[1], rrows[2], bits, g, inner,
+                                    torch.empty(n, dtype=dtype, device=device), head)
+            checks += [("exact rows", hout, head), ("restore with exact rows", got.view(x.shape), want)]
         problems += [f"{what} ({name} input)" for what, a, b in checks if not torch.equal(a, b)]
     return ", ".join(problems) or None

@@ -69,21 +69,22 @@ class QTensor(NamedTuple):
         packed, step, shift = tensors[0], tensors[1], tensors[2]
         head = tensors[3] if len(tensors) > 3 else None
         shape, dtype, bits, groups, inner, transposed = meta
-        if compiling():
+        numel = shape.numel()
+        be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
+        if be is None or not be.has_dequantize_out:
             return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
-                                                    shape.numel(), dtype), shape, transposed), head)
-        be = kernel_for(get_backend(packed), packed, dtype, bits)
+                                                    numel, dtype), shape, transposed), head)
         # reuse workspace buffers only in a backward that records no graph (create_graph=False)
-        if not torch.is_grad_enabled() and be.has_dequantize_out and _graph_task_id() != -1:
-            flat, buf = _workspace().acquire(shape.numel(), dtype, packed.device)
-            be.dequantize_out(packed, step, shift, bits, groups, inner, flat)
-            if not transposed:
-                out = with_head(flat.view(shape), head)
-                out._mesa_ws = buf
-                return out
-        else:
-            flat = ops.dequantize(packed, step, shift, bits, groups, inner, shape.numel(), dtype)
-        return with_head(_shaped(flat, shape, transposed), head)
+        ws = not torch.is_grad_enabled() and _graph_task_id() != -1
+        flat, buf = (_workspace().acquire(numel, dtype, packed.device) if ws
+                     else (torch.empty(numel, dtype=dtype, device=packed.device), None))
+        # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
+        kh = head if head is not None and not transposed and head.dtype == dtype else None
+        be.dequantize_out(packed, step, shift, bits, groups, inner, flat, kh)
+        out = _shaped(flat, shape, transposed)
+        if ws and not transposed:
+            out._mesa_ws = buf
+        return out if kh is not None else with_head(out, head)
 
     def dequantize(self) -> torch.Tensor:
         return QTensor.restore(self.tensors(), self.meta())
@@ -165,10 +166,9 @@ class MappedQTensor(NamedTuple):
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
         table = TABLE_FNS[name](levels(step, shift, bits, dtype), *args)
-        out = apply_table(tensors[:3], meta[:6], table)
-        if len(tensors) > 3:  # the exact prefix rows, through f itself
-            out = with_head(out, TABLE_FNS[name](tensors[3], *args).to(out.dtype))
-        return out
+        # the exact prefix rows, through f itself
+        head = TABLE_FNS[name](tensors[3], *args) if len(tensors) > 3 else None
+        return apply_table(tensors[:3], meta[:6], table, head=head)
 
     def dequantize(self) -> torch.Tensor:
         return MappedQTensor.restore(self.tensors(), self.meta())
@@ -184,11 +184,14 @@ def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtyp
     return kernel(step, shift, bits, dtype)
 
 
-def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None) -> torch.Tensor:
+def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None,
+                head: torch.Tensor | None = None) -> torch.Tensor:
     """``table[group][code]`` of a packed tensor (``tensors``/``meta`` of a QTensor), times
     ``mul`` when given, shaped as the stored tensor: (G, 2^bits) ``table`` of the result dtype.
     Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it).
-    The codes only: a ``head`` (exact prefix rows, a 4th tensor) is the caller's to apply."""
+    ``head``: the result's first rows along dim -2 (the exact prefix rows, shaped
+    ``result.narrow(-2, 0, P)``), written over them as they are (by the kernel where it can);
+    a QTensor's own ``head`` (a 4th tensor) is ignored: only the caller knows f of it."""
     packed, step, shift = tensors[0], tensors[1], tensors[2]
     shape, dtype, bits, groups, inner, transposed = meta
     if transposed:
@@ -197,15 +200,18 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
     kernel = getattr(be, "lut_apply_out", None)
     if kernel is None:
-        return reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape)
+        return with_head(reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape),
+                         head)
     ws = mul is None and not torch.is_grad_enabled() and in_backward()
     out, buf = (_workspace().acquire(numel, table.dtype, packed.device) if ws
                 else (torch.empty(numel, dtype=table.dtype, device=packed.device), None))
-    kernel(packed, table, bits, groups, inner, out, None if mul is None else mul.contiguous())
+    kh = head if head is not None and head.dtype == table.dtype else None
+    kernel(packed, table, bits, groups, inner, out, None if mul is None else mul.contiguous(),
+           None if kh is None else kh.contiguous())
     out = out.view(shape)
     if ws:
         out._mesa_ws = buf
-    return out
+    return out if kh is not None or head is None else with_head(out, head)
 
 
 CHANNELS_LAST = 2  # QTensor.transposed of a copy stored in (B, H, W, C) order

@@ -299,9 +299,9 @@ class QuantMixin:
         x-hat with ``norm``) kept exactly as its ``head`` (:class:`~mesa_ops.packed.QTensor`),
         for tensors of rank >= 3 with more rows than that: the class / distillation tokens of
         (B, N, C) tokens and (B, H, N, D) heads, whose values a range shared with all tokens
-        stores badly (issue 22.8)."""
+        stores badly (issue 22.8). A ``q`` whose kernel wrote them already is returned as it is."""
         p = prefix_rows(x.shape, self.prefix_tokens)
-        if not p:
+        if not p or q.head is not None:
             return q
         head = x.narrow(-2, 0, p)
         if norm is not None:
@@ -372,15 +372,20 @@ class QuantMixin:
             stochastic = bool(self.stochastic)
             # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
             mix = ops.signed64(ops.salt_mix(self._salt())) if stochastic else 0
+            dtype = x.dtype if norm is None else torch.float32
+            p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
+            head = None  # the exact prefix rows (_with_prefix), written by the kernel
+            if p:
+                head = torch.empty(xs.shape[:-2] + (p, xs.shape[-1]), dtype=dtype, device=xs.device)
+                head._mesa_head = True
             packed, step, sh, finite, rows = be.quantize_step(
                 xs, g, inner, clip, shift, it, d, 1.0 - d, range_code, bits, update,
                 mix, self._draws_for(it), stochastic, mode == "skip", stochastic,
-                *(() if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))))
+                *((None, None) if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))), head)
             self._seen_iteration(it)
             if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
                 ops.report_nonfinite(rows[3], finite, mode, self, xs)
-            return QTensor(packed, step, sh, x.shape, x.dtype if norm is None else torch.float32,
-                           bits, g, inner, transposed)
+            return QTensor(packed, step, sh, x.shape, dtype, bits, g, inner, transposed, head)
         if norm is not None:
             x = _normalized(x, norm)
         name = self.describe()

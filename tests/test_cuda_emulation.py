@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mesa_ops import backend, ops, reference
+from mesa_ops import backend, ops, quant, reference
+from mesa_ops import packed as packed_mod
 
 ALL_BITS = (8, 4, 2, 1)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -291,3 +292,92 @@ def test_launches_per_op_and_the_persistent_counter(emu, cpu):
     before = emu.launches()
     emu.dequantize_cuda(b[0], b[1], b[2], 8, g, inner, n, torch.float32)
     assert emu.launches() - before == 1
+
+
+# (x, G, inner, P): the exact prefix rows (QTensor.head, the first P rows along dim -2) of
+# token tensors (B, N, C) with groups along C, a (B, H, N, D) tensor with head-wise groups (a
+# group spans many rows), a q sliced out of a fused qkv (read in place) and one group of many
+# chunks (the minmax kernel's whole-block reduction)
+def _prefix_cases():
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(2, 37, 3 * 48, generator=g) * 2
+    return {"tokens,G=3,P=1": (torch.randn(2, 50, 36, generator=g) * 3 + 1, 3, 12, 1),
+            "heads,G=H,P=2": (torch.randn(2, 4, 29, 8, generator=g), 4, 29 * 8, 2),
+            "q-of-qkv,G=4,P=1": (qkv[..., :48], 4, 12, 1),
+            "many-chunks,G=1,P=2": (torch.randn(3, 320, 320, generator=g), 1, 320 * 320, 2)}
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                         ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("case", list(_prefix_cases()))
+def test_prefix_rows_written_by_the_kernels_equal_cpu(emu, cpu, index64, case, dtype):
+    """Issue 36: quantize_step copies the exact prefix rows out of x into ``head`` (with row
+    statistics: of the normalized x-hat, float32), dequantize_out and lut_apply_out write a head
+    over the restored rows: the emulated CUDA kernels equal the CPU kernels, both equal the
+    Python path (x.narrow / _normalized, packed.with_head), and the codes, rows and restored
+    values elsewhere equal those of a call without a head."""
+    x, g, inner, p = _prefix_cases()[case]
+    x = x.to(dtype)
+    xc = x.contiguous()
+    n = x.numel()
+    norms = [None]
+    if dtype != torch.float64 and g * inner % x.shape[-1] == 0 and inner <= x.shape[-1]:
+        var, mean = torch.var_mean(xc.float(), dim=-1, correction=0, keepdim=True)
+        norms.append((mean, torch.rsqrt(var + 1e-5)))
+    for norm in norms:
+        hdt = dtype if norm is None else torch.float32
+        want = xc.narrow(-2, 0, p) if norm is None else \
+            quant._normalized(xc.narrow(-2, 0, p), tuple(s.narrow(-2, 0, p) for s in norm))
+        stats = (None, None) if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))
+        outs = []
+        for ext, run in ((cpu, cpu.quantize_step_cpu), (emu, emu.quantize_step_cuda)):
+            head = torch.full(want.shape, float("nan"), dtype=hdt)
+            r = run(x, g, inner, *_state(g), 0.9, 0.1, reference.UNION, 8, True, 21,
+                    torch.tensor([4]), True, False, False, *stats, head)
+            plain = run(x, g, inner, *_state(g), 0.9, 0.1, reference.UNION, 8, True, 21,
+                        torch.tensor([4]), True, False, False, *stats)
+            assert torch.equal(head, want), (ext is emu, norm is None)
+            assert torch.equal(r[0], plain[0]) and torch.equal(r[4], plain[4])
+            outs.append(r)
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][4], outs[1][4])
+    # restores: the head over the first rows, the codes elsewhere
+    packed, step, shift = outs[0][0], outs[0][1], outs[0][2]
+    head = (xc.narrow(-2, 0, p) * 0.5).contiguous()  # (values no code restores to)
+    deq = cpu.dequantize_cpu(packed, step, shift, 8, g, inner, n, dtype).view(x.shape)
+    expect = packed_mod.with_head(deq.clone(), head).reshape(-1)
+    table = torch.nn.functional.gelu(cpu.levels_cpu(step, shift, 8, torch.float32)).to(dtype)
+    mul = _input(n, dtype, seed=2)
+    for ext, deq_out, lut in ((cpu, cpu.dequantize_out_cpu, cpu.lut_apply_out_cpu),
+                              (emu, emu.dequantize_out_cuda, emu.lut_apply_out_cuda)):
+        out = torch.full((n,), float("nan"), dtype=dtype)
+        deq_out(packed, step, shift, 8, g, inner, out, head)
+        assert torch.equal(out, expect), ext is emu
+        for m in (None, mul):
+            plain = cpu.lut_apply_out_cpu(packed, table, 8, g, inner, torch.empty(n, dtype=dtype), m)
+            got = lut(packed, table, 8, g, inner, torch.full((n,), float("nan"), dtype=dtype), m, head)
+            assert torch.equal(got, packed_mod.with_head(plain.view(x.shape), head).reshape(-1))
+
+
+def test_prefix_rows_checks_and_launches(emu, cpu):
+    """A head of the wrong shape, dtype or layout is refused by both builds; with a head each op
+    still launches as many kernels as without (quantize_step 2, dequantize_out 1, lut 1)."""
+    x = torch.randn(2, 9, 16)
+    args = (x, 2, 8, *_state(2), 0.9, 0.1, reference.UNION, 8, True, 3, torch.tensor([0]), True,
+            False, False, None, None)
+    for run in (cpu.quantize_step_cpu, emu.quantize_step_cuda):
+        for bad in (torch.empty(2, 1, 8), torch.empty(2, 1, 16, dtype=torch.float16),
+                    torch.empty(2, 1, 32)[..., ::2], torch.empty(3, 1, 16)):
+            with pytest.raises(RuntimeError, match="head"):
+                run(*args, bad)
+    head = torch.empty(2, 1, 16)
+    before = emu.launches()
+    packed, step, shift, _, _ = emu.quantize_step_cuda(*args, head)
+    assert emu.launches() - before == 2 and torch.equal(head, x[:, :1])
+    before = emu.launches()
+    out = emu.dequantize_out_cuda(packed, step, shift, 8, 2, 8, torch.empty(x.numel()), head)
+    table = emu.levels_cuda(step, shift, 8, torch.float32)
+    emu.lut_apply_out_cuda(packed, table, 8, 2, 8, torch.empty(x.numel()), None, head)
+    assert emu.launches() - before == 3 and torch.equal(out.view(x.shape)[:, :1], head)
+    for deq_out in (cpu.dequantize_out_cpu, emu.dequantize_out_cuda):
+        with pytest.raises(RuntimeError, match="head"):  # 5 rows of 16 are not 288 elements' rows
+            deq_out(packed, step, shift, 8, 2, 8, torch.empty(x.numel()), torch.empty(5, 1, 16))

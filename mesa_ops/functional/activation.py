@@ -3,12 +3,22 @@ output only: its gradient needs nothing else; the original saves input and outpu
 1-bit mask: its gradient is exact)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, levels, once_differentiable,
-                     pack_mask, release, save_for_backward, saved_packed, saved_tensors, with_head)
+from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compiling, levels,
+                     once_differentiable, pack_mask, release, save_for_backward, saved_packed,
+                     saved_tensors)
+
+
+@functools.lru_cache(maxsize=32)
+def _ones(shape, dtype, device):
+    """A read-only (G, 2^bits) tensor of ones: the gradient GELU' at the levels is taken with
+    (made once per shape, not by a fill launch in every backward)."""
+    return torch.ones(shape, dtype=dtype, device=device)
 
 
 class _GELU(torch.autograd.Function):
@@ -40,11 +50,13 @@ class _GELU(torch.autograd.Function):
         g = as_dtype(gy, cdt)
         if isinstance(xq, QTensor):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
-            deriv = torch.ops.aten.gelu_backward(torch.ones_like(lv), lv, approximate=ctx.approximate)
-            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g)
+            one = torch.ones_like(lv) if compiling() else _ones(lv.shape, lv.dtype, lv.device)
+            deriv = torch.ops.aten.gelu_backward(one, lv, approximate=ctx.approximate)
+            head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                gx = with_head(gx, torch.ops.aten.gelu_backward(
-                    g.narrow(-2, 0, xq.head.shape[-2]), xq.head.to(g.dtype), approximate=ctx.approximate))
+                head = torch.ops.aten.gelu_backward(g.narrow(-2, 0, xq.head.shape[-2]),
+                                                    xq.head.to(g.dtype), approximate=ctx.approximate)
+            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g, head=head)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
         return as_dtype(gx, ctx.x_dtype), None, None, None, None
