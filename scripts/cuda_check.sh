@@ -19,14 +19,14 @@
 #   selfcheck every dtype x bits: the kernel vs the torch reference on the device, cases with many
 #             chunks per group included
 #   tests     the CUDA-marked tests of the files named below (no segmentation module is collected)
+#   roofline  per kernel (quantize, dequantize, table x grad) on a DeiT-S activation at batch 128,
+#             fp16: the bytes it must move, its time, GB/s against the GPU's own copy bandwidth
+#             (benchmarks.roofline)
 #   bench     the paper's memory column like for like (benchmarks.gpu): batch 128, 224 px, fp16 AMP,
 #             AdamW, torch.cuda.max_memory_allocated, 20 warm-up + 30 timed steps (--quick: exact
 #             and mesa8, 5 + 10); exact and Mesa with the paper's explicit attention beside fused
 #             exact and our mesa8; DeiT-Ti/S, Swin-T, PVT-Ti; the CUDA kernels only
 #             (MESA_BACKEND=cuda: a kernel that fails its self-check fails the run)
-#   roofline  per kernel (quantize, dequantize, table x grad) on a DeiT-S activation at batch 128,
-#             fp16: the bytes it must move, its time, GB/s against the GPU's own copy bandwidth
-#             (benchmarks.roofline)
 # --rehearse (no GPU; in an environment like the GPU machines', e.g.
 #   PYTHON=.venv-compat/torch2.11.0-py3.12/bin/python from `bash scripts/compat.sh --torch 2.11.0
 #   --python 3.12 --setup-only`): env, deps, build (for sm_90 unless TORCH_CUDA_ARCH_LIST is set),
@@ -55,11 +55,11 @@ CUDA_TESTS=(tests/test_cuda_kernels.py tests/test_kernels.py tests/test_amp.py t
             tests/test_layers.py)
 MODELS=(deit_tiny_patch16_224 deit_small_patch16_224 swin_tiny_patch4_window7_224 pvt_tiny)
 if [ "$REHEARSE" = 1 ]; then
-  STAGES="env deps build collect emulation bench roofline"
+  STAGES="env deps build collect emulation roofline bench"
   OUTDIR="${OUT:-$ROOT/outputs/cuda_check_rehearse}"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"  # the H100 / H200 of the device tool
 else
-  STAGES="env deps build selfcheck tests bench roofline"
+  STAGES="env deps build selfcheck tests roofline bench"
   OUTDIR="${OUT:-$ROOT/outputs/cuda_check}"
 fi
 # --only: those stages, after env and deps (always: cheap, and the others need what deps unpacks)
@@ -131,18 +131,18 @@ if [ "$ok" = 1 ]; then
   want tests && stage tests 150 "$PY" -m pytest -q -m cuda -rs -p no:cacheprovider "${CUDA_TESTS[@]}"
   want collect && stage collect 120 "$PY" -m benchmarks.gpu --collect "${CUDA_TESTS[@]}"
   want emulation && stage emulation 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_emulation.py
-  if want bench; then
-    if [ "$REHEARSE" = 1 ]; then
-      stage bench 240 "$PY" "${BENCH[@]}" --device cuda --dry-run
-    else
-      MESA_BACKEND=cuda stage bench 300 "$PY" "${BENCH[@]}" --device cuda
-    fi
-  fi
   if want roofline; then
     if [ "$REHEARSE" = 1 ]; then
       stage roofline 60 "$PY" -m benchmarks.roofline --device cpu --shape 2 197 384 --repeats 3
     else
       MESA_BACKEND=cuda stage roofline 60 "$PY" -m benchmarks.roofline --device cuda
+    fi
+  fi
+  if want bench; then
+    if [ "$REHEARSE" = 1 ]; then
+      stage bench 240 "$PY" "${BENCH[@]}" --device cuda --dry-run
+    else
+      MESA_BACKEND=cuda stage bench 300 "$PY" "${BENCH[@]}" --device cuda
     fi
   fi
 fi

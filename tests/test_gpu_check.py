@@ -96,11 +96,11 @@ def test_cuda_check_rehearsal_cheap_stages(tmp_path):
     the four modes built and stepped once on the CPU at batch 1, the files written)."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "cuda_check.sh"), "--rehearse",
-                           "--only", "collect,bench,roofline"], cwd=ROOT, env=env,
+                           "--only", "collect,roofline,bench"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [s["stage"] for s in summary] == ["env", "deps", "collect", "bench", "roofline"]
+    assert [s["stage"] for s in summary] == ["env", "deps", "collect", "roofline", "bench"]
     assert all(s["rc"] == 0 for s in summary)
     collect = (tmp_path / "collect.txt").read_text()
     assert "tests/test_cuda_kernels.py:" in collect and "CUDA-marked" in collect
