@@ -39,6 +39,8 @@ class Unit:
     elements: int = 0               # elements it stores (quantization work)
     bytes: dict = field(default_factory=dict)   # bits -> bytes at the probe batch
     err: dict = field(default_factory=dict)     # bits -> relative error proxy
+    reads: str | None = None        # the unit before it whose packed copy it reads at equal bits
+    shared: dict = field(default_factory=dict)  # bits -> its bytes when ``reads`` is at those bits
 
 
 @dataclass
@@ -244,6 +246,9 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
                     u.bytes[b] = got
                 else:  # exact next to packed neighbours: a tensor shared with an exact neighbour
                     u.bytes[0] = max(u.bytes[0], got)  # (e.g. SDPA's output, proj's input) is its own
+    ran = {name: i for i, name in enumerate(captured)}  # (hooks fire in execution order)
+    _shared_copies(model, x, sorted(units, key=lambda u: min((ran.get(n, len(ran)) for n in u.layers),
+                                                            default=len(ran))))
     for u in units:
         u.err = {b: (_unit_error(model, u, captured, b) if b else 0.0) for b in BITS}
         u.elements = sum(_numel_saved(model.get_submodule(n), captured.get(n)) for n in u.layers)
@@ -257,6 +262,24 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
     elements = sum(u.elements for u in units) or 1
     return Profile(units, list(binfo.values()), int(fixed), int(x.shape[0]),
                    max(t_mesa - t_exact, 0.0) / elements, t_exact, _packed_ckpt() is not None)
+
+
+def _shared_copies(model: nn.Module, x: torch.Tensor, units: list) -> None:
+    """``reads`` / ``shared`` of each of ``units`` (in execution order): with every unit at the
+    same bits a unit that stores less than alone reads the packed copy of the unit that ran
+    before it (a LayerNorm's x-hat that the next Linear restores its input from, GELU's input
+    that fc2 reads through a table, the attention output that proj reads); its bytes then are
+    what it stores beside that copy. One audit per bits."""
+    seen = {}
+    for b in BITS[1:]:
+        _set(model, {n: b for u in units for n in u.layers})
+        per = audit(model, x, verbose=False).by_module()
+        seen[b] = [sum(v for k, v in per.items() if _in_unit(k, u)) for u in units]
+    _set(model, {})
+    for i, u in enumerate(units[1:], 1):
+        if any(seen[b][i] < u.bytes[b] for b in BITS[1:]):
+            u.reads = units[i - 1].name
+            u.shared = {b: min(seen[b][i], u.bytes[b]) for b in BITS[1:]}
 
 
 def _numel_saved(m, cap) -> int:

@@ -15,7 +15,11 @@ What is measured and what is estimated (read before trusting a plan):
   and the input bytes of every block (outermost modules whose class name ends in ``Block``).
   A unit's exact bytes are the largest seen with its neighbours exact or packed (a tensor an
   exact neighbour would also save, e.g. SDPA's output = the projection's input, is counted for
-  both: conservative). The plan assumes these add up and scale
+  both: conservative). A unit that, with every unit at the same bits, stores less than alone
+  reads the packed copy of the unit that ran before it (a Linear its LayerNorm's x-hat, fc2 the
+  GELU's input, the projection the attention's output: ``Unit.reads``, one more audit per bits);
+  while the two are at equal bits it counts only what it stores beside that copy
+  (``Unit.shared``), so a shared copy counts once. The plan assumes these add up and scale
   linearly with the batch (probe batch -> ``batch_size``). Under checkpointing a block keeps its
   input (exact, or packed at 8 bits by ``mesa_ops.checkpoint.checkpoint_block`` where that module
   exists); the recomputation in backward re-creates the activations of one block at a time, so
@@ -35,7 +39,8 @@ What is measured and what is estimated (read before trusting a plan):
   ``alpha`` = (step time with every unit at 8 bits - exact step time) / elements, from the probe;
   checkpointing a block costs its measured forward time (recomputation).
 
-Optimization: start exact; greedily apply the move (a unit one step lower: off->8->4->2; a block
+Optimization: start exact; greedily apply the move (a unit one step lower: off->8->4->2, alone
+or with the units reading its packed copy at its bits, as one; a block
 to checkpointing, which also sets its units exact; an exact checkpoint to a packed one) with the
 least added error per byte saved, ties by the least added time per byte, until the estimate fits
 the budget; exact checkpointing adds no error, so it is preferred to quantization (least error
@@ -96,14 +101,46 @@ class _State:
         self.units_of = {b.name: [u for u in prof.units if u.block == b.name] for b in prof.blocks}
         self.blk = {b.name: b for b in prof.blocks}
         self.cap = cap  # blocks whose exact own bytes exceed this cannot be checkpointed
+        self.p_units = {u.name: u for u in prof.units}
+        self.readers = {}  # unit -> the units that read its packed copy at equal bits
+        for u in prof.units:
+            if getattr(u, "reads", None):
+                self.readers.setdefault(u.reads, []).append(u)
 
     def copy(self):
         c = copy.copy(self)
         c.bits, c.ckpt = dict(self.bits), dict(self.ckpt)
         return c
 
+    def unit_bytes(self, u, b: int) -> int:
+        """``u``'s bytes at ``b`` bits: less where it reads the packed copy of the unit before it,
+        at the same bits (``Unit.reads``; a copy two neighbours share counts once)."""
+        if b and getattr(u, "reads", None) and self.bits.get(u.reads) == b and b in u.shared:
+            return u.shared[b]
+        return u.bytes[b]
+
     def own_bytes(self, block: str, exact: bool = False) -> int:
-        return sum(u.bytes[0 if exact else self.bits[u.name]] for u in self.units_of[block])
+        return sum(u.bytes[0] if exact else self.unit_bytes(u, self.bits[u.name]) for u in self.units_of[block])
+
+    def _counted(self, u) -> bool:
+        return u.block is None or self.ckpt[u.block] is None
+
+    def _group(self, u) -> list:
+        """``u`` and the units that read its packed copy at its bits: a shared copy can move as
+        one (moved alone, either side would store a copy of its own and save nothing)."""
+        b = self.bits[u.name]
+        return [u] + [c for c in self.readers.get(u.name, ()) if self._counted(c) and self.bits[c.name] == b]
+
+    def _move_saved(self, group: list, nb: int) -> int:
+        """Bytes saved by moving the units of ``group`` to ``nb`` bits: theirs and their readers'."""
+        hit = {c.name: c for g in group for c in [g, *self.readers.get(g.name, ())] if self._counted(c)}
+        before = sum(self.unit_bytes(c, self.bits[c.name]) for c in hit.values())
+        old = {g.name: self.bits[g.name] for g in group}
+        for g in group:
+            self.bits[g.name] = nb
+        after = sum(self.unit_bytes(c, self.bits[c.name]) for c in hit.values())
+        self.bits.update(old)
+        return before - after
 
     def cost(self):
         by, err2, t = self.p.fixed_bytes, 0.0, 0.0
@@ -112,8 +149,8 @@ class _State:
             err2 += u.err[b] ** 2
             if b:
                 t += self.p.alpha * u.elements
-            if u.block is None or self.ckpt[u.block] is None:
-                by += u.bytes[b]
+            if self._counted(u):
+                by += self.unit_bytes(u, b)
         for name, mode in self.ckpt.items():
             if mode is None:
                 continue
@@ -134,8 +171,13 @@ class _State:
             b = self.bits[u.name]
             if b != 2 and (u.block is None or self.ckpt[u.block] is None):
                 nb = BITS[BITS.index(b) + 1]
-                yield (("unit", u.name, nb), (u.bytes[b] - u.bytes[nb]) * self.s,
+                yield (("unit", u.name, nb), self._move_saved([u], nb) * self.s,
                        u.err[nb] ** 2 - u.err[b] ** 2, (p.alpha * u.elements if b == 0 else 0.0) * self.s)
+                group = self._group(u)
+                if len(group) > 1:  # with its readers at the same bits: the shared copy moves as one
+                    yield (("units", u.name, nb), self._move_saved(group, nb) * self.s,
+                           sum(g.err[nb] ** 2 - g.err[b] ** 2 for g in group),
+                           (p.alpha * sum(g.elements for g in group) if b == 0 else 0.0) * self.s)
         for name, mode in self.ckpt.items():
             blk = self.blk[name]
             if mode is None and self.cap is not None and self.own_bytes(name, exact=True) <= self.cap:
@@ -152,6 +194,9 @@ class _State:
         kind, name, val = move
         if kind == "unit":
             self.bits[name] = val
+        elif kind == "units":
+            for g in self._group(self.p_units[name]):
+                self.bits[g.name] = val
         else:
             if self.ckpt[name] is None:
                 for u in self.units_of[name]:
@@ -180,7 +225,7 @@ def _greedy(prof: Profile, scale: float, budget: int, cap: int | None, objective
             return st
         best = None
         for mv, saved, derr2, dt in st.moves():
-            if saved <= 0 or (mv[0] == "unit" and mv[2] < lowest_bits):
+            if saved <= 0 or (mv[0] in ("unit", "units") and mv[2] < lowest_bits):
                 continue
             key = (derr2 / saved, dt / saved) if objective == "error" else (dt / saved, derr2 / saved)
             if best is None or key < best[0]:

@@ -38,6 +38,31 @@ def test_profile_measures_each_option(profiled):
     assert exact <= est <= 1.1 * exact
 
 
+def test_a_copy_two_units_share_counts_once(profiled):
+    """A Linear that reads its LayerNorm's packed copy (and fc2 reading GELU's) stores nothing of
+    that copy itself at equal bits: with every unit at b bits the estimate is the audited total,
+    within 2% (before: each unit's bytes alone, summed, counted those copies twice)."""
+    from mesa_ops.plan_measure import _set
+
+    model, x, prof = profiled
+    readers = {u.name: u.reads for u in prof.units if u.reads}
+    assert readers.get("blocks.0.attn.qkv") == "blocks.0.norm1", readers
+    assert readers.get("blocks.0.mlp.fc2") == "blocks.0.mlp.act", readers
+    for b in (8, 4, 2):
+        st = P._State(prof, 1.0)
+        for u in prof.units:
+            st.bits[u.name] = b
+        _set(model, {n: b for u in prof.units for n in u.layers})
+        got = ms.audit(model, x, verbose=False).total_bytes
+        summed = prof.fixed_bytes + sum(u.bytes[b] for u in prof.units)
+        assert abs(st.cost()[0] - got) <= 0.02 * got < summed - got, (b, st.cost()[0], got, summed)
+    _set(model, {})
+    # the greedy reaches the all-2-bit configuration (a shared copy moves with its readers: moved
+    # alone, either side would store a copy of its own and save nothing)
+    plan = P.make_plan(prof, int(st.cost()[0] * 1.001), batch_size=2, checkpointing=False)
+    assert plan.est_bytes <= st.cost()[0] * 1.001 and set(plan.bits.values()) <= {2, 4}
+
+
 @pytest.mark.parametrize("fraction", [0.6, 0.25])
 def test_plan_fits_budget_when_measured(profiled, tmp_path, fraction):
     model, x, prof = profiled
