@@ -74,9 +74,12 @@ class ModuleRow(_ByteSums):
 
 @dataclass
 class AuditReport(_ByteSums):
-    """Per-module saved tensors of one training forward. ``modules`` in order of first save."""
+    """Per-module saved tensors of one training forward. ``modules`` in order of first save;
+    ``reused``: (module, module that saved it first) for each storage a later module saved again
+    (e.g. a Linear that keeps its LayerNorm's packed copy instead of one of its own)."""
     modules: list
     tensors: list
+    reused: list = field(default_factory=list)
 
     def by_module(self) -> dict[str, int]:
         return {r.name: r.bytes for r in self.modules}
@@ -127,6 +130,8 @@ class _AuditMeter(SavedActivationMeter):
         self._names = {id(m): n for n, m in model.named_modules()}
         self._mods: list = []
         self.saved: list = []
+        self.reused: list = []  # (module, first saver) of each storage saved again by another module
+        self._first: dict = {}  # storage key -> the module that saved it first
         self._meta_left: dict = {}  # module id -> step/shift tensors still expected after codes
 
     def _pre(self, module, args):
@@ -154,6 +159,11 @@ class _AuditMeter(SavedActivationMeter):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
             key, nbytes = _storage_key(t)
             new = key not in self._exclude and key not in self._seen
+            if not new and key in self._first:
+                inner, _ = self._owner()
+                name = self._names.get(id(inner), "(outside the model)") if inner is not None else "-"
+                if name != self._first[key]:
+                    self.reused.append((name, self._first[key]))
             if new:
                 inner, mesa = self._owner()
                 packed = False
@@ -170,6 +180,7 @@ class _AuditMeter(SavedActivationMeter):
                         self._meta_left[id(mesa)] = 0
                 name = self._names.get(id(inner), "(outside the model)") if inner is not None \
                     else "(outside any module)"
+                self._first[key] = name
                 self.saved.append(SavedTensor(name, type(inner).__name__ if inner is not None else "-",
                                               tuple(t.shape), str(t.dtype).replace("torch.", ""),
                                               nbytes, packed))
@@ -213,7 +224,7 @@ def audit(model: nn.Module, example_inputs, verbose=True, max_rows: int | None =
             m = mods.get(t.module)
             rows[t.module] = ModuleRow(t.module, t.type, isinstance(m, L.MESA_LAYERS))
         rows[t.module].tensors.append(t)
-    report = AuditReport(list(rows.values()), list(meter.saved))
+    report = AuditReport(list(rows.values()), list(meter.saved), list(meter.reused))
     if verbose:
         (print if verbose is True else verbose)(report.table(max_rows))
     return report

@@ -246,9 +246,7 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
                     u.bytes[b] = got
                 else:  # exact next to packed neighbours: a tensor shared with an exact neighbour
                     u.bytes[0] = max(u.bytes[0], got)  # (e.g. SDPA's output, proj's input) is its own
-    ran = {name: i for i, name in enumerate(captured)}  # (hooks fire in execution order)
-    _shared_copies(model, x, sorted(units, key=lambda u: min((ran.get(n, len(ran)) for n in u.layers),
-                                                            default=len(ran))))
+    _shared_copies(model, x, units)
     for u in units:
         u.err = {b: (_unit_error(model, u, captured, b) if b else 0.0) for b in BITS}
         u.elements = sum(_numel_saved(model.get_submodule(n), captured.get(n)) for n in u.layers)
@@ -265,20 +263,26 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
 
 
 def _shared_copies(model: nn.Module, x: torch.Tensor, units: list) -> None:
-    """``reads`` / ``shared`` of each of ``units`` (in execution order): with every unit at the
-    same bits a unit that stores less than alone reads the packed copy of the unit that ran
-    before it (a LayerNorm's x-hat that the next Linear restores its input from, GELU's input
-    that fc2 reads through a table, the attention output that proj reads); its bytes then are
-    what it stores beside that copy. One audit per bits."""
-    seen = {}
+    """``reads`` / ``shared`` of each unit: with every unit at the same bits a unit that stores
+    less than alone reads a packed copy another unit saved first (a LayerNorm's x-hat that the
+    next Linear restores its input from, GELU's input that fc2 reads through a table, the
+    attention output that proj reads; the audit names the first saver of each storage saved
+    again); its bytes then are what it stores beside that copy. One audit per bits."""
+    seen, source = {}, {}
     for b in BITS[1:]:
         _set(model, {n: b for u in units for n in u.layers})
-        per = audit(model, x, verbose=False).by_module()
+        rep = audit(model, x, verbose=False)
+        per = rep.by_module()
         seen[b] = [sum(v for k, v in per.items() if _in_unit(k, u)) for u in units]
+        for reader, first in rep.reused:
+            r = next((u for u in units if _in_unit(reader, u)), None)
+            f = next((u for u in units if _in_unit(first, u)), None)
+            if r is not None and f is not None and r is not f:
+                source.setdefault(r.name, f.name)
     _set(model, {})
-    for i, u in enumerate(units[1:], 1):
-        if any(seen[b][i] < u.bytes[b] for b in BITS[1:]):
-            u.reads = units[i - 1].name
+    for i, u in enumerate(units):
+        if u.name in source and any(seen[b][i] < u.bytes[b] for b in BITS[1:]):
+            u.reads = source[u.name]
             u.shared = {b: min(seen[b][i], u.bytes[b]) for b in BITS[1:]}
 
 

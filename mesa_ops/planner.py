@@ -182,7 +182,11 @@ class _State:
             blk = self.blk[name]
             if mode is None and self.cap is not None and self.own_bytes(name, exact=True) <= self.cap:
                 inner = self.units_of[name]
-                yield (("ckpt", name, "exact"), (self.own_bytes(name) - blk.in_bytes) * self.s,
+                # (its units go exact: a reader outside the block loses what it shared too)
+                outside = [c for u in inner for c in self.readers.get(u.name, ())
+                           if c.block != name and self._counted(c)]
+                lost = sum(c.bytes[self.bits[c.name]] - self.unit_bytes(c, self.bits[c.name]) for c in outside)
+                yield (("ckpt", name, "exact"), (self.own_bytes(name) - blk.in_bytes - lost) * self.s,
                        -sum(u.err[self.bits[u.name]] ** 2 for u in inner),
                        (blk.fwd_time - sum(p.alpha * u.elements for u in inner if self.bits[u.name]))
                        * self.s)

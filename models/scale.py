@@ -192,6 +192,8 @@ def largest_variant(name: str, budget: float, batch_size: int, axis: str = "widt
     floor = {"mesa8": "exact", "mesa4": "mesa8", "plan": "exact"}
     for mode in modes:
         lo, hi = res.best.get(floor.get(mode), 0), hi_step + 1  # lo fits (0: nothing), hi does not
+        if lo and measure(lo)[mode] > budget:  # (the planner's estimate can exceed the audited exact)
+            lo = 0
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if measure(mid)[mode] <= budget:

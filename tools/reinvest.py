@@ -2,8 +2,8 @@
 
     .venv/bin/python tools/reinvest.py --budget-steps 1 2 --seeds 0 1 2 --jobs 2 --plot docs/reinvest.png
 
-Per budget (what exact saves at the given depth / width step of the demo DeiT, batch 32, as the
-memory planner counts it): exact at the largest model that fits against Mesa 8-bit at its larger
+Per budget (what exact saves at the given depth / width step of the demo DeiT, batch 32, as an
+audit of one training forward counts it): exact at the largest model that fits against Mesa 8-bit at its larger
 one, same epochs, and Mesa for exact's training time; the demo on all 1797 DIGITS images, k-fold
 cross-validation x seeds, differences paired by fold and seed (benchmarks/reinvest.py). Writes
 ``<out>/results.json``, ``<out>/table.md``, the run files (``--resume`` reuses them) and, with

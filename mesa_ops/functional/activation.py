@@ -15,9 +15,11 @@ from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compili
 
 
 @functools.lru_cache(maxsize=32)
-def _ones(shape, dtype, device):
+def _ones(shape, dtype, device, mode):
     """A read-only (G, 2^bits) tensor of ones: the gradient GELU' at the levels is taken with
-    (made once per shape, not by a fill launch in every backward)."""
+    (made once per shape, not by a fill launch in every backward); ``mode``: the fake tensor
+    mode of the levels (None for real tensors), so that one mode's fake tensor never reaches
+    another mode or a real backward."""
     return torch.ones(shape, dtype=dtype, device=device)
 
 
@@ -50,7 +52,8 @@ class _GELU(torch.autograd.Function):
         g = as_dtype(gy, cdt)
         if isinstance(xq, QTensor):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
-            one = torch.ones_like(lv) if compiling() else _ones(lv.shape, lv.dtype, lv.device)
+            one = (torch.ones_like(lv) if compiling()
+                   else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
             deriv = torch.ops.aten.gelu_backward(one, lv, approximate=ctx.approximate)
             head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
