@@ -26,7 +26,6 @@ saved tensors; the compiled graphs' included), plus for ``sac`` the op outputs i
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -43,6 +42,7 @@ import torch.utils.checkpoint as tckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_ops as ms
+from mesa_ops.bench import agg_pyplot
 from mesa_ops.checkpoint import find_blocks, wrap_blocks
 
 __all__ = ["EAGER_MODES", "SAC_SAVE", "FrontierRow", "default_modes", "frontier", "markdown", "pareto", "plot"]
@@ -350,10 +350,7 @@ def markdown(rows: list[FrontierRow]) -> str:
 def plot(rows: list[FrontierRow], path: str) -> None:
     """Saved bytes (x exact, log scale) against step time (x exact), one panel per model, the
     frontier joined; Mesa modes filled, PyTorch's hollow."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     names = list(dict.fromkeys(r.model for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(5.2 * len(names), 4.2), squeeze=False)

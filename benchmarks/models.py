@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from mesa_ops.bench import saved_bytes, sync
+from mesa_ops.bench import agg_pyplot, saved_bytes, sync, time_in_turn
 from mesa_ops.checkpoint import wrap_blocks
 
 MODES = ("exact", "exact-explicit", "mesa8", "mesa8-explicit", "mesa4", "mesa2", "ckpt", "mesa8+ckpt",
@@ -217,19 +217,10 @@ def measure_interleaved(cfgs: list[Config]) -> list[float]:
     """Median step times of ``cfgs`` (same model and batch, different modes) built side by side in
     this process and stepped in turn (one step of each per round), so that load from other
     processes hits every mode alike."""
-    states = [_setup(c) for c in cfgs]
-    times = [[] for _ in cfgs]
-    for i in range(max(c.warmup + c.steps for c in cfgs)):
-        for j, (c, (_, _, _, step)) in enumerate(zip(cfgs, states)):
-            if i >= c.warmup + c.steps:
-                continue
-            sync(c.device)
-            t0 = time.perf_counter()
-            step()
-            sync(c.device)
-            if i >= c.warmup:
-                times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) if t else float("nan") for t in times]
+    steppers = {j: _setup(c)[3] for j, c in enumerate(cfgs)}
+    times = time_in_turn(steppers, {j: c.warmup for j, c in enumerate(cfgs)},
+                         {j: c.steps for j, c in enumerate(cfgs)}, {j: c.device for j, c in enumerate(cfgs)})
+    return [statistics.median(times[j]) if times[j] else float("nan") for j in range(len(cfgs))]
 
 
 def measure(cfg: Config) -> Record:
@@ -375,10 +366,7 @@ def markdown_table(records: list[Record], budgets: dict | None = None) -> str:
 
 def plot(records: list[Record], path: str) -> None:
     """Bar charts of peak memory and step time per mode, one group of bars per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot()
 
     models = list(dict.fromkeys(r.model for r in records))
     modes = list(dict.fromkeys(r.mode for r in records))

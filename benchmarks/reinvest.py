@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 import torch
 
 import models
+from mesa_ops.bench import agg_pyplot, time_in_turn
 from models.scale import largest_variant, variant_kwargs
 from training import crossval as cv
 
@@ -94,26 +94,24 @@ def step_times(axis: str, steps: dict, repeats: int = 30, warmup: int = 5, threa
     prev = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        states = {}
-        for name, (bits, k) in steps.items():
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+        def stepper(bits, k):
             args = cv._train_args(bits, 0, 30, demo_variant_args(axis, k))
             torch.manual_seed(0)
             model = build_model(args, _D.DEMO_NUM_CLASSES).train()
             opt, _ = build_optimizer(args, model, 10)
             x = torch.randn(BATCH, 3, _D.DEMO_INPUT_SIZE, _D.DEMO_INPUT_SIZE)
             y = torch.randint(0, _D.DEMO_NUM_CLASSES, (BATCH,))
-            states[name] = (model, opt, x, y)
-        times = {n: [] for n in states}
-        loss_fn = torch.nn.CrossEntropyLoss()
-        for i in range(warmup + repeats):
-            for n, (model, opt, x, y) in states.items():
-                t0 = time.perf_counter()
+
+            def step():
                 loss = loss_fn(model(x), y)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                if i >= warmup:
-                    times[n].append(time.perf_counter() - t0)
+            return step
+
+        times = time_in_turn({n: stepper(bits, k) for n, (bits, k) in steps.items()}, warmup, repeats)
         return {n: statistics.median(t) for n, t in times.items()}
     finally:
         torch.set_num_threads(prev)
@@ -239,12 +237,9 @@ def plot(res: dict, path: str) -> str | None:
     """Top-1 against the budget, one line per method (error bars: the paired standard error), to
     ``path`` (PNG); None (no error) when matplotlib is not installed."""
     try:
-        import matplotlib
+        plt = agg_pyplot()
     except ImportError:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = summarize(res)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     labels = {"exact": f"exact (largest {res['axis']})", "mesa8": f"Mesa 8-bit (largest {res['axis']}), same epochs",

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from mesa_ops.bench import time_in_turn
 from mesa_ops.fidelity import set_range_mode
 from mesa_ops.quant import set_prefix_tokens
 
@@ -34,14 +34,7 @@ def measure(model: str, batch: int, steps: int, warmup: int = 2, variants=VARIAN
         elif name == "mesa8-ema":
             set_range_mode(net, "ema")
         stepper[name] = step
-    times = {n: [] for n in stepper}
-    for i in range(warmup + steps):
-        for n, step in stepper.items():
-            t0 = time.perf_counter()
-            step()
-            if i >= warmup:
-                times[n].append(time.perf_counter() - t0)
-    return times
+    return time_in_turn(stepper, warmup, steps)
 
 
 def main(argv=None) -> dict:

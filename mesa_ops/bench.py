@@ -24,6 +24,39 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_in_turn(steppers: dict, warmup, steps, device="cpu") -> dict:
+    """{name: [seconds of each timed call]} of ``steppers`` {name: callable}, called in turn (one
+    call of each per round, the device synchronized around each) so that load from other
+    processes hits them alike. ``warmup`` / ``steps``: untimed then timed calls, an int or
+    {name: int}; ``device``: one for all, or {name: device}."""
+    def of(v, n):
+        return v[n] if isinstance(v, dict) else v
+
+    times = {n: [] for n in steppers}
+    for i in range(max(of(warmup, n) + of(steps, n) for n in steppers)):
+        for n, fn in steppers.items():
+            if i >= of(warmup, n) + of(steps, n):
+                continue
+            sync(of(device, n))
+            t0 = time.perf_counter()
+            fn()
+            sync(of(device, n))
+            if i >= of(warmup, n):
+                times[n].append(time.perf_counter() - t0)
+    return times
+
+
+def agg_pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display); ImportError where
+    matplotlib is not installed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def saved_bytes(model: nn.Module, inputs: tuple,
                 autocast_dtype: torch.dtype | None = None) -> SavedActivationMeter:
     """Saved-activation accounting of one training forward of ``model(*inputs)``."""

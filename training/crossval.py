@@ -35,6 +35,7 @@ import torch
 
 import models
 from data import DigitsDataset
+from mesa_ops.bench import agg_pyplot
 from data.transforms import build_transform
 
 from .args import get_args_parser
@@ -327,12 +328,9 @@ def plot(res: dict, path: str) -> str | None:
     """Accuracy (mean, +- the paired standard error) against saved activation bytes per step, to
     ``path`` (PNG); returns the path, or None (with no error) when matplotlib is not installed."""
     try:
-        import matplotlib
+        plt = agg_pyplot()
     except ImportError:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = summarize(res)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in rows:
