@@ -155,13 +155,17 @@ class _AuditMeter(SavedActivationMeter):
                 break
         return inner, None
 
+    def _name(self, inner) -> str:
+        if inner is None:
+            return "(outside any module)"
+        return self._names.get(id(inner), "(outside the model)")
+
     def _pack(self, t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
             key, nbytes = _storage_key(t)
             new = key not in self._exclude and key not in self._seen
             if not new and key in self._first:
-                inner, _ = self._owner()
-                name = self._names.get(id(inner), "(outside the model)") if inner is not None else "-"
+                name = self._name(self._owner()[0])
                 if name != self._first[key]:
                     self.reused.append((name, self._first[key]))
             if new:
@@ -178,8 +182,7 @@ class _AuditMeter(SavedActivationMeter):
                         packed = True
                     else:
                         self._meta_left[id(mesa)] = 0
-                name = self._names.get(id(inner), "(outside the model)") if inner is not None \
-                    else "(outside any module)"
+                name = self._name(inner)
                 self._first[key] = name
                 self.saved.append(SavedTensor(name, type(inner).__name__ if inner is not None else "-",
                                               tuple(t.shape), str(t.dtype).replace("torch.", ""),

@@ -21,7 +21,7 @@ from .checkpoint import site_prefix
 from .policy import mesa_layers
 from .quant import Quantizer, prefix_rows
 
-__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "measure", "BITS"]
+__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "measure", "unit_layers", "BITS"]
 
 BITS = (0, 8, 4, 2)  # 0 = exact (off)
 _ATTN = (SDPA, L.MatMul, L.Softmax)
@@ -39,7 +39,7 @@ class Unit:
     elements: int = 0               # elements it stores (quantization work)
     bytes: dict = field(default_factory=dict)   # bits -> bytes at the probe batch
     err: dict = field(default_factory=dict)     # bits -> relative error proxy
-    reads: str | None = None        # the unit before it whose packed copy it reads at equal bits
+    reads: str | None = None        # the unit whose packed copy it reads at equal bits
     shared: dict = field(default_factory=dict)  # bits -> its bytes when ``reads`` is at those bits
 
 
@@ -103,6 +103,33 @@ def _in_unit(module_name: str, u: Unit) -> bool:
     if u.name.endswith(".attention") and module_name == u.name[:-len(".attention")]:
         return True
     return any(module_name == n or module_name.startswith(n + ".") for n in u.layers)
+
+
+def _is_stem(module: nn.Module, args: tuple, x: torch.Tensor) -> bool:
+    """A Conv2d reading the image ``x`` itself: the stem, which stays exact (the caller holds
+    the image anyway)."""
+    return isinstance(module, L.Conv2d) and bool(args) and args[0] is x
+
+
+def _without_stem(units: list, stem: list) -> list:
+    return [u for u in units if not set(u.layers) & set(stem)]
+
+
+def unit_layers(model: nn.Module, x: torch.Tensor) -> list[str]:
+    """The Mesa layers of the units :func:`measure` plans (every unit but the stem's), from one
+    no-grad forward of ``x`` (B, 3, H, W) instead of the whole profile."""
+    stem, hooks = [], []
+    for name, m in mesa_layers(model):
+        if isinstance(m, L.Conv2d):
+            hooks.append(m.register_forward_hook(
+                lambda mod, args, out, name=name: stem.append(name) if _is_stem(mod, args, x) else None))
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [n for u in _without_stem(_units(model, _blocks(model)), stem) for n in u.layers]
 
 
 def _set(model: nn.Module, layer_bits: dict) -> None:
@@ -185,7 +212,7 @@ def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
     captured, binfo, t0, stem, hooks = {}, {n: BlockInfo(n) for n in blocks}, {}, [], []
     for name, m in mesa_layers(model):
         def post(mod, args, out, name=name):
-            if isinstance(mod, L.Conv2d) and args and args[0] is x:
+            if _is_stem(mod, args, x):
                 stem.append(name)
             if not timing:
                 captured[name] = (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
@@ -224,7 +251,7 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
     units = _units(model, blocks)
     all8 = {n: 8 for u in units for n in u.layers}
     captured, binfo8, stem = _capture(model, x, all8, blocks, timing=False)  # attention runs its op
-    units = [u for u in units if not set(u.layers) & set(stem)]
+    units = _without_stem(units, stem)
     _, binfo, _ = _capture(model, x, {}, blocks, timing=True)
     for name, b in binfo.items():
         b.in_err8 = binfo8[name].in_err8

@@ -16,8 +16,8 @@ What is measured and what is estimated (read before trusting a plan):
   A unit's exact bytes are the largest seen with its neighbours exact or packed (a tensor an
   exact neighbour would also save, e.g. SDPA's output = the projection's input, is counted for
   both: conservative). A unit that, with every unit at the same bits, stores less than alone
-  reads the packed copy of the unit that ran before it (a Linear its LayerNorm's x-hat, fc2 the
-  GELU's input, the projection the attention's output: ``Unit.reads``, one more audit per bits);
+  reads a packed copy another unit saved first (a Linear its LayerNorm's x-hat, fc2 the GELU's
+  input, the projection the attention's output: ``Unit.reads``, one more audit per bits);
   while the two are at equal bits it counts only what it stores beside that copy
   (``Unit.shared``), so a shared copy counts once. The plan assumes these add up and scale
   linearly with the batch (probe batch -> ``batch_size``). Under checkpointing a block keeps its
@@ -104,7 +104,7 @@ class _State:
         self.p_units = {u.name: u for u in prof.units}
         self.readers = {}  # unit -> the units that read its packed copy at equal bits
         for u in prof.units:
-            if getattr(u, "reads", None):
+            if u.reads:
                 self.readers.setdefault(u.reads, []).append(u)
 
     def copy(self):
@@ -113,9 +113,9 @@ class _State:
         return c
 
     def unit_bytes(self, u, b: int) -> int:
-        """``u``'s bytes at ``b`` bits: less where it reads the packed copy of the unit before it,
-        at the same bits (``Unit.reads``; a copy two neighbours share counts once)."""
-        if b and getattr(u, "reads", None) and self.bits.get(u.reads) == b and b in u.shared:
+        """``u``'s bytes at ``b`` bits: less where it reads another unit's packed copy at the same
+        bits (``Unit.reads``; a copy two units share counts once)."""
+        if b and u.reads and self.bits.get(u.reads) == b and b in u.shared:
             return u.shared[b]
         return u.bytes[b]
 
@@ -169,7 +169,7 @@ class _State:
         p = self.p
         for u in p.units:
             b = self.bits[u.name]
-            if b != 2 and (u.block is None or self.ckpt[u.block] is None):
+            if b != 2 and self._counted(u):
                 nb = BITS[BITS.index(b) + 1]
                 yield (("unit", u.name, nb), self._move_saved([u], nb) * self.s,
                        u.err[nb] ** 2 - u.err[b] ** 2, (p.alpha * u.elements if b == 0 else 0.0) * self.s)

@@ -32,12 +32,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 
 from mesa_ops import planner as P
 from mesa_ops.audit import audit, format_bytes
-from mesa_ops.plan_measure import _set
-from mesa_ops.policy import mesa_layers
+from mesa_ops.plan_measure import _set, unit_layers
 
 from .registry import create_model, model_entry
 
@@ -123,29 +121,12 @@ def _mode_bytes(prof, batch_size: int, budget: int, plan: bool = True) -> tuple[
     return out, plan
 
 
-def _layers_on(model, x: torch.Tensor) -> list[str]:
-    """The Mesa layers the planner may switch on: all but the stem (a Conv2d that reads the image
-    ``x`` itself stays exact, as :func:`mesa_ops.planner.measure` keeps it)."""
-    stem, hooks = [], []
-    for n, m in mesa_layers(model):
-        if isinstance(m, nn.Conv2d):
-            hooks.append(m.register_forward_hook(
-                lambda mod, args, out, n=n: stem.append(n) if args and args[0] is x else None))
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return [n for n, _ in mesa_layers(model) if n not in stem]
-
-
 def _configured_bytes(model, x: torch.Tensor, batch_size: int) -> dict:
     """``exact`` / ``mesa8`` / ``mesa4`` bytes of the whole model at ``batch_size``: one audited
-    training forward with every layer of :func:`_layers_on` at those bits (the model is left all
-    exact)."""
+    training forward with every layer of the planner's units
+    (:func:`mesa_ops.plan_measure.unit_layers`) at those bits (the model is left all exact)."""
     scale = batch_size / x.shape[0]
-    on = _layers_on(model, x)
+    on = unit_layers(model, x)
     out = {}
     for mode, bits in (("exact", 0), ("mesa8", 8), ("mesa4", 4)):
         _set(model, {n: bits for n in on})

@@ -79,6 +79,7 @@ def test_configured_bytes_switch_on_the_planners_units_and_match_training():
     exact): the same layers as mesa_ops.planner.measure's units, and the bytes a training run's
     model (--mesa-bits 8) saves."""
     from mesa_ops import planner as P
+    from mesa_ops.plan_measure import unit_layers
     from training import crossval as cv
     from training.main import build_model
 
@@ -87,7 +88,7 @@ def test_configured_bytes_switch_on_the_planners_units_and_match_training():
         torch.manual_seed(0)
         m = models.create_model(name, img_size=32, **kw)
         x = torch.randn(2, 3, 32, 32)
-        on = scale._layers_on(m, x)
+        on = unit_layers(m, x)
         units = {n for u in P.measure(m, x, time_steps=1).units for n in u.layers}
         assert set(on) == units and on, name
     res = scale.largest_variant("deit_tiny_patch16_224", 1e18, 4, "depth", input_size=32, max_step=2,
