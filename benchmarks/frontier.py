@@ -13,8 +13,9 @@ Per model, saved-for-backward bytes and train-step time of
 * ``cckpt8`` / ``cckpt4`` (Mesa at those bits and every block under compressed checkpointing:
   the block input packed at those bits, the block recomputed exactly);
 * ``plan@F`` (the memory planner's fastest plan, ``mesa_ops.planner.make_plan(...,
-  objective='time')``, for F x exact's saved bytes: bits per layer and plain / compressed
-  checkpointing per block).
+  objective='time', recompute_transient=False)``, for F x exact's saved bytes: bits per layer
+  and plain / compressed checkpointing per block; the budget counts what the forward saves,
+  as the other modes' figures do).
 
 Timing: the eager modes are built side by side in one worker and stepped in turn (one step of
 each per round), so other load hits all alike; each compiled mode runs in a worker of its own with
@@ -167,7 +168,10 @@ class _Plans:
         return int(img[0]) if img is not None else 224
 
     def path(self, fraction: float) -> str:
-        plan = self.P.make_plan(self.prof, int(fraction * self.exact_saved), self.batch, objective="time")
+        # saved bytes as every mode here counts them: what the forward saves, not the transient a
+        # checkpointed block re-creates in backward (ckpt's and compile's are not counted either)
+        plan = self.P.make_plan(self.prof, int(fraction * self.exact_saved), self.batch, objective="time",
+                                recompute_transient=False)
         path = os.path.join(self.folder, f"plan_{fraction:g}.txt")
         self.P.write_plan(plan, self.model, path, header=f"{self.name} at {fraction:g} x exact")
         return path

@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import layers as L
 from .attention import QUANTIZERS, SDPA
 from .audit import audit
-from .bench import train_step_time
+from .bench import time_in_turn, train_step_time
 from .checkpoint import site_prefix
 from .policy import mesa_layers
 from .quant import Quantizer, prefix_rows
@@ -49,7 +49,8 @@ class BlockInfo:
     in_bytes: int = 0               # its inputs' bytes (kept by an exact checkpoint)
     in_err8: float = 0.0            # error proxy of keeping them at 8 bits
     head_bytes: int = 0             # the prefix-token rows a packed checkpoint keeps exactly
-    fwd_time: float = 0.0           # seconds: its forward at the probe batch
+    fwd_time: float = 0.0           # seconds: its forward at the probe batch (median of 3)
+    in_elements: int = 0            # its inputs' elements (what a packed checkpoint quantizes)
 
 
 @dataclass
@@ -58,9 +59,15 @@ class Profile:
     blocks: list
     fixed_bytes: int                # bytes no option changes (stem, parameters-free ops, ...)
     probe_batch: int
-    alpha: float                    # seconds per quantized element (probe)
+    alpha: float                    # seconds per quantized element at 8 bits (probe)
     step_time: float                # exact step seconds (probe)
     packed_ckpt: bool               # mesa_ops.checkpoint.checkpoint_block available
+    alphas: dict = field(default_factory=dict)  # bits -> seconds per element kept at those bits
+
+    def cost_per_element(self, bits: int) -> float:
+        """Seconds per element a unit keeps at ``bits`` (0: exact, none); ``alpha`` where the
+        profile has no figure for those bits."""
+        return 0.0 if not bits else self.alphas.get(bits, self.alpha)
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -199,10 +206,19 @@ def _unit_error(model: nn.Module, unit: Unit, captured: dict, bits: int) -> floa
     return max(errs, default=0.0)
 
 
-def _step_time(model, x, steps: int) -> float:
-    ts = [train_step_time(model, (x,)) for _ in range(steps + 1)]
-    model.zero_grad(set_to_none=True)
-    return statistics.median(ts[1:])
+def _step_times(model, x, configs: dict, steps: int) -> dict:
+    """{key: median step seconds} of ``model`` with each of ``configs`` ({key: layer bits})
+    set in turn before its step (one warm-up step each), so that load from other processes hits
+    them alike; the model is left exact."""
+    def stepper(bits):
+        return lambda: (_set(model, bits), train_step_time(model, (x,)))
+
+    try:
+        ts = time_in_turn({k: stepper(v) for k, v in configs.items()}, 1, max(steps, 1))
+    finally:
+        _set(model, {})
+        model.zero_grad(set_to_none=True)
+    return {k: statistics.median(v) for k, v in ts.items()}
 
 
 def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
@@ -222,6 +238,7 @@ def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
         def bpre(mod, args, name=name):
             ts = [a.detach() for a in args if isinstance(a, torch.Tensor)]
             binfo[name].in_bytes = sum(a.untyped_storage().nbytes() for a in ts)
+            binfo[name].in_elements = sum(a.numel() for a in ts)
             prefix = site_prefix(mod)
             if ts:
                 binfo[name].head_bytes = _head_bytes(ts[0], prefix)
@@ -242,19 +259,23 @@ def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
     return captured, binfo, stem
 
 
-def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
+def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 5) -> Profile:
     """Profile ``model`` (Mesa layers in place: build it with ``mesa_ops.compress`` or this repo's
     models) on the probe batch ``x`` (B, 3, H, W): per unit bytes at each bits, error proxies,
-    block inputs and forward times, the quantization time per element."""
+    block inputs and forward times (median of 3 forwards), the quantization time per element at
+    each bits (``time_steps`` timed steps of each of exact and every unit at 8 / 4 / 2 bits,
+    stepped in turn after one warm-up each)."""
     model.train()
     blocks = _blocks(model)
     units = _units(model, blocks)
     all8 = {n: 8 for u in units for n in u.layers}
     captured, binfo8, stem = _capture(model, x, all8, blocks, timing=False)  # attention runs its op
     units = _without_stem(units, stem)
-    _, binfo, _ = _capture(model, x, {}, blocks, timing=True)
+    timed = [_capture(model, x, {}, blocks, timing=True)[1] for _ in range(3)]
+    binfo = timed[0]
     for name, b in binfo.items():
         b.in_err8 = binfo8[name].in_err8
+        b.fwd_time = statistics.median(t[name].fwd_time for t in timed)
     # bytes per unit: exact (all off), and at each bits with every other unit exact (two runs,
     # alternate units on), so that no unit's bytes lean on a neighbour's packed copy
     rep = audit(model, x, verbose=False)
@@ -278,15 +299,12 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 2) -> Profile:
         u.err = {b: (_unit_error(model, u, captured, b) if b else 0.0) for b in BITS}
         u.elements = sum(_numel_saved(model.get_submodule(n), captured.get(n)) for n in u.layers)
     del captured
-    # time: exact vs every unit at 8 bits
-    _set(model, {})
-    t_exact = _step_time(model, x, time_steps)
-    _set(model, {n: 8 for u in units for n in u.layers})
-    t_mesa = _step_time(model, x, time_steps)
-    _set(model, {})
+    # time: exact against every unit at 8, 4 and 2 bits, stepped in turn
+    t = _step_times(model, x, {b: {n: b for u in units for n in u.layers} for b in BITS}, time_steps)
     elements = sum(u.elements for u in units) or 1
-    return Profile(units, list(binfo.values()), int(fixed), int(x.shape[0]),
-                   max(t_mesa - t_exact, 0.0) / elements, t_exact, _packed_ckpt() is not None)
+    alphas = {b: max(t[b] - t[0], 0.0) / elements for b in BITS[1:]}
+    return Profile(units, list(binfo.values()), int(fixed), int(x.shape[0]), alphas[8], t[0],
+                   _packed_ckpt() is not None, alphas)
 
 
 def _shared_copies(model: nn.Module, x: torch.Tensor, units: list) -> None:

@@ -35,9 +35,11 @@ What is measured and what is estimated (read before trusting a plan):
   has no error. After planning, :func:`verify` measures the saved bytes of the planned model and
   its gradient error (one step), bias and noise against exact training on the probe batch
   (:func:`mesa_ops.fidelity.grad_fidelity`).
-* **Time** (estimated from measurements): quantization costs ``alpha`` seconds per element kept,
-  ``alpha`` = (step time with every unit at 8 bits - exact step time) / elements, from the probe;
-  checkpointing a block costs its measured forward time (recomputation).
+* **Time** (estimated from measurements): a unit at b bits costs ``alphas[b]`` seconds per
+  element it keeps, ``alphas[b]`` = (step time with every unit at b bits - exact step time) /
+  elements, from the probe (exact and 8 / 4 / 2 bits stepped in turn); checkpointing a block
+  costs its measured forward time (the recomputation; median of 3 forwards), a packed one also
+  8-bit quantization of its input.
 
 Optimization: start exact; greedily apply the move (a unit one step lower: off->8->4->2, alone
 or with the units reading its packed copy at its bits, as one; a block
@@ -45,9 +47,13 @@ to checkpointing, which also sets its units exact; an exact checkpoint to a pack
 least added error per byte saved, ties by the least added time per byte, until the estimate fits
 the budget; exact checkpointing adds no error, so it is preferred to quantization (least error
 first, then time, as asked). ``objective='time'`` orders the moves by added time per byte
-saved instead (ties by error) and keeps units at 8 bits or exact unless nothing else fits: the
-fastest such plan for the budget (by the estimate), as ``tools/frontier.py`` compares it with
-PyTorch's own tools. No
+saved instead (ties by error), with units no lower than 8, 4 or 2 bits (three greedy runs, and
+the error-ordered ones too), and keeps the fastest plan by the estimate; of the plans within
+``time_tolerance`` (2% of the exact step) of it, the one with the least error (the estimate's
+own noise is of that order: a plan is not packed at fewer bits for a gain below it). This is
+what ``tools/frontier.py`` compares with PyTorch's own tools. The budget counts the
+recomputation transient (above) unless ``recompute_transient=False``, which counts what
+training saves in its forward only, the measure the frontier applies to every mode. No
 configuration fits -> :class:`PlanError` naming the smallest reachable size and the bytes no option
 can reduce.
 """
@@ -84,8 +90,10 @@ class Plan:
     est_step_time: float
     layer_bits: dict = field(default_factory=dict)   # Mesa layer name -> bits
     measured: dict = field(default_factory=dict)     # filled by verify()
-    est_recompute: int = 0          # of est_bytes: the recomputation transient (the largest
-    #                                 checkpointed block's own bytes, re-created in backward)
+    est_recompute: int = 0          # the recomputation transient (the largest checkpointed
+    #                                 block's own bytes, re-created in backward): in est_bytes
+    #                                 when counts_recompute
+    counts_recompute: bool = True
 
 
 # ---- planning --------------------------------------------------------------------------------
@@ -147,8 +155,7 @@ class _State:
         for u in self.p.units:
             b = self.bits[u.name]
             err2 += u.err[b] ** 2
-            if b:
-                t += self.p.alpha * u.elements
+            t += self.p.cost_per_element(b) * u.elements
             if self._counted(u):
                 by += self.unit_bytes(u, b)
         for name, mode in self.ckpt.items():
@@ -158,6 +165,7 @@ class _State:
             by += blk.in_bytes if mode == "exact" else _packed_bytes(blk)
             if mode == "packed8":
                 err2 += blk.in_err8 ** 2
+                t += self.p.cost_per_element(8) * blk.in_elements
             t += blk.fwd_time
         return by * self.s, math.sqrt(err2), t * self.s
 
@@ -171,13 +179,14 @@ class _State:
             b = self.bits[u.name]
             if b != 2 and self._counted(u):
                 nb = BITS[BITS.index(b) + 1]
+                dt = p.cost_per_element(nb) - p.cost_per_element(b)
                 yield (("unit", u.name, nb), self._move_saved([u], nb) * self.s,
-                       u.err[nb] ** 2 - u.err[b] ** 2, (p.alpha * u.elements if b == 0 else 0.0) * self.s)
+                       u.err[nb] ** 2 - u.err[b] ** 2, dt * u.elements * self.s)
                 group = self._group(u)
                 if len(group) > 1:  # with its readers at the same bits: the shared copy moves as one
                     yield (("units", u.name, nb), self._move_saved(group, nb) * self.s,
                            sum(g.err[nb] ** 2 - g.err[b] ** 2 for g in group),
-                           (p.alpha * sum(g.elements for g in group) if b == 0 else 0.0) * self.s)
+                           dt * sum(g.elements for g in group) * self.s)
         for name, mode in self.ckpt.items():
             blk = self.blk[name]
             if mode is None and self.cap is not None and self.own_bytes(name, exact=True) <= self.cap:
@@ -188,11 +197,11 @@ class _State:
                 lost = sum(c.bytes[self.bits[c.name]] - self.unit_bytes(c, self.bits[c.name]) for c in outside)
                 yield (("ckpt", name, "exact"), (self.own_bytes(name) - blk.in_bytes - lost) * self.s,
                        -sum(u.err[self.bits[u.name]] ** 2 for u in inner),
-                       (blk.fwd_time - sum(p.alpha * u.elements for u in inner if self.bits[u.name]))
+                       (blk.fwd_time - sum(p.cost_per_element(self.bits[u.name]) * u.elements for u in inner))
                        * self.s)
             elif mode == "exact" and p.packed_ckpt:
                 yield (("ckpt", name, "packed8"), (blk.in_bytes - _packed_bytes(blk)) * self.s,
-                       blk.in_err8 ** 2, 0.0)
+                       blk.in_err8 ** 2, p.cost_per_element(8) * blk.in_elements * self.s)
 
     def apply(self, move):
         kind, name, val = move
@@ -217,12 +226,13 @@ OBJECTIVES = ("error", "time")
 
 
 def _greedy(prof: Profile, scale: float, budget: int, cap: int | None, objective: str = "error",
-            lowest_bits: int = 2):
-    """Greedy within ``budget`` minus the recomputation reserve ``cap``: the move with the least
-    added error per byte saved, ties by time (``objective='error'``), or the least added time
-    per byte, ties by error (``'time'``); units go no lower than ``lowest_bits``."""
+            lowest_bits: int = 2, reserve: bool = True):
+    """Greedy within ``budget`` minus the recomputation reserve ``cap`` (with ``reserve``; else
+    ``cap`` only limits which blocks may be checkpointed): the move with the least added error
+    per byte saved, ties by time (``objective='error'``), or the least added time per byte, ties
+    by error (``'time'``); units go no lower than ``lowest_bits``."""
     st = _State(prof, scale, cap)
-    limit = budget - (cap or 0) * scale
+    limit = budget - ((cap or 0) * scale if reserve else 0)
     while True:
         by, err, tm = st.cost()
         if by <= limit:
@@ -240,69 +250,95 @@ def _greedy(prof: Profile, scale: float, budget: int, cap: int | None, objective
 
 
 def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool = True,
-              objective: str = "error") -> Plan:
+              objective: str = "error", recompute_transient: bool = True,
+              time_tolerance: float = 0.02) -> Plan:
     """The configuration within ``budget`` bytes (saved activations at ``batch_size``) with the
     least error proxy, then the least extra time (``objective='error'``, see the module
-    docstring), or the fastest by the estimate among the plans with units at 8 bits or exact
-    (plus plain or packed checkpointing), then the least error (``'time'``; 4 and 2 bits only
-    where none of those fits: the estimate counts no time for fewer bits, so without that rule
-    the fastest plan would pack everything at 2 bits). The recomputation transient is handled by trying each cap on the checkpointable
-    blocks' own bytes (none, and each distinct block size) and keeping the best plan.
-    ``checkpointing=False``: bits only."""
+    docstring), or the fastest by the estimate (``'time'``: greedy runs ordered by time and by
+    error, units no lower than 8, 4 or 2 bits, plus plain or packed checkpointing), and of the
+    plans within ``time_tolerance`` x the exact step of the fastest the one with the least
+    error. The recomputation transient is counted in the budget by trying each cap on the
+    checkpointable blocks' own bytes (none, and each distinct block size) and keeping the best
+    plan; ``recompute_transient=False`` counts what the forward saves only (every block may be
+    checkpointed). ``checkpointing=False``: bits only."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     scale = batch_size / prof.probe_batch
     probe = _State(prof, scale)
     sizes = sorted({probe.own_bytes(b.name, exact=True) for b in prof.blocks})
-    caps = [None] + (sizes if checkpointing else [])
+    if not checkpointing:
+        caps = [None]
+    elif recompute_transient:
+        caps = [None] + sizes
+    else:
+        caps = [max(sizes, default=0)]
     found = []
-    # 'time': the time-ordered greedy and the error-ordered one (greedy is not optimal: the
-    # fastest of both), 8 bits at the lowest, then (nothing fits) 4 and 2 bits as well
-    for lowest in ((8, 2) if objective == "time" else (2,)):
+    # greedy is not optimal: for 'time' the time-ordered and the error-ordered runs, at each
+    # lowest bits, and the fastest of all
+    for lowest in ((8, 4, 2) if objective == "time" else (2,)):
         for order in ((objective,) if objective == "error" else ("time", "error")):
             for cap in caps:
-                st = _greedy(prof, scale, budget, cap, order, lowest)
+                st = _greedy(prof, scale, budget, cap, order, lowest, recompute_transient)
                 if st is not None:
                     by, err, tm = st.cost()
                     found.append(((round(err, 9), tm) if objective == "error" else (tm, round(err, 9)), st))
-        if found:
-            break
+    if found and objective == "time":
+        fastest = min(k[0] for k, _ in found)
+        slack = time_tolerance * prof.step_time * scale
+        found = [((k[1], k[0]), st) for k, st in found if k[0] <= fastest + slack]
     if not found:
         low = _State(prof, scale, 0)
         for u in prof.units:
             low.bits[u.name] = 2
         smallest = low.cost()[0]
+        if checkpointing and prof.blocks:  # and every block checkpointed (packed where possible)
+            for name in low.ckpt:
+                low.apply(("ckpt", name, "exact"))
+                if prof.packed_ckpt:
+                    low.ckpt[name] = "packed8"
+            for u in prof.units:
+                low.bits[u.name] = 2 if low._counted(u) else 0
+            ck = low.cost()[0] + (low.reserve() if recompute_transient else 0)
+            how = (f"every layer at 2 bits: {format_bytes(smallest)}; every block checkpointed"
+                   f"{' with its recomputation transient' if recompute_transient else ''}: {format_bytes(ck)}")
+            smallest = min(smallest, ck)
+        else:
+            how = f"every layer at 2 bits: {format_bytes(smallest)}"
         biggest = sorted(prof.units, key=lambda u: -u.bytes[2])[:3]
         raise PlanError(
             f"budget {format_bytes(budget)} ({budget / 1e9:g} GB) is below the smallest configuration "
-            f"the planner can reach at batch {batch_size} (every layer at 2 bits: "
-            f"{format_bytes(smallest)}; checkpointing does not get below it either); bytes no option "
+            f"the planner can reach at batch {batch_size} ({format_bytes(smallest)}; {how}); bytes no option "
             f"reduces: {format_bytes(prof.fixed_bytes * scale)}; largest units at 2 bits: "
             + ", ".join(f"{u.name} {format_bytes(u.bytes[2] * scale)}" for u in biggest)
             + ". Lower the batch size or the input size, or raise the budget.")
     _, st = min(found, key=lambda f: f[0])
     by, err, tm = st.cost()
     layer_bits = {n: st.bits[u.name] for u in prof.units for n in u.layers}
-    return Plan(dict(st.bits), dict(st.ckpt), batch_size, int(budget), int(by + st.reserve()), err, tm,
-                prof.step_time * scale + tm, layer_bits, est_recompute=int(st.reserve()))
+    held = st.reserve() if recompute_transient else 0
+    return Plan(dict(st.bits), dict(st.ckpt), batch_size, int(budget), int(by + held), err, tm,
+                prof.step_time * scale + tm, layer_bits, est_recompute=int(st.reserve()),
+                counts_recompute=recompute_transient)
 
 
 def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = True,
-                  objective: str = "error") -> Plan:
+                  objective: str = "error", recompute_transient: bool = True) -> Plan:
     """The plan for the largest batch in 1..``limit`` that some configuration fits in ``budget``
     (bytes scale linearly with the batch, so the batches that fit are 1..B: bisection over
     :func:`make_plan`). Raises :class:`PlanError` when not even batch 1 fits."""
-    lo = make_plan(prof, budget, 1, checkpointing, objective)  # raises when nothing fits
+    def plan(batch):
+        return make_plan(prof, budget, batch, checkpointing, objective, recompute_transient)
+
+    lo = plan(1)  # raises when nothing fits
     hi = limit + 1
     b = 1
     while hi - b > 1:
         mid = (b + hi) // 2
         try:
-            lo = make_plan(prof, budget, mid, checkpointing, objective)
+            lo = plan(mid)
             b = mid
         except PlanError:
             hi = mid
-    return lo if lo.batch_size == b else make_plan(prof, budget, b, checkpointing, objective)
+    return lo if lo.batch_size == b else plan(b)
 
 
 # ---- applying and writing --------------------------------------------------------------------
