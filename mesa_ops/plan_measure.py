@@ -51,6 +51,9 @@ class BlockInfo:
     head_bytes: int = 0             # the prefix-token rows a packed checkpoint keeps exactly
     fwd_time: float = 0.0           # seconds: its forward at the probe batch (median of 3)
     in_elements: int = 0            # its inputs' elements (what a packed checkpoint quantizes)
+    recompute_time: float = 0.0     # seconds its checkpointing adds to a step (probe): the step
+    #                                 with every block checkpointed minus exact's, shared out by
+    #                                 the blocks' forward times
 
 
 @dataclass
@@ -206,19 +209,41 @@ def _unit_error(model: nn.Module, unit: Unit, captured: dict, bits: int) -> floa
     return max(errs, default=0.0)
 
 
-def _step_times(model, x, configs: dict, steps: int) -> dict:
-    """{key: median step seconds} of ``model`` with each of ``configs`` ({key: layer bits})
-    set in turn before its step (one warm-up step each), so that load from other processes hits
-    them alike; the model is left exact."""
-    def stepper(bits):
-        return lambda: (_set(model, bits), train_step_time(model, (x,)))
+_UNSET = object()
 
+
+def _step_times(model, x, configs: dict, steps: int, blocks: dict) -> dict:
+    """{key: median step seconds} of ``model`` with each of ``configs`` ({key: layer bits})
+    set in turn before its step, and ``'ckpt'``: exact with every one of ``blocks`` checkpointed
+    as a plan does it (``planner.checkpoint_blocks``; one warm-up step each; in turn, so that
+    load from other processes hits them alike); the model is left exact, its blocks' classes
+    as they were."""
+    from .planner import checkpoint_blocks
+
+    def stepper(bits, ckpt=None):
+        def step():
+            _set(model, bits)
+            checkpoint_blocks(model, {n: ckpt for n in blocks})
+            return train_step_time(model, (x,))
+        return step
+
+    steppers = {k: stepper(v) for k, v in configs.items()}
+    if blocks:
+        steppers["ckpt"] = stepper({}, ckpt="exact")
+    before = {n: (type(b), b.__dict__.get("mesa_ckpt_mode", _UNSET)) for n, b in blocks.items()}
     try:
-        ts = time_in_turn({k: stepper(v) for k, v in configs.items()}, 1, max(steps, 1))
+        ts = time_in_turn(steppers, 1, max(steps, 1))
     finally:
         _set(model, {})
         model.zero_grad(set_to_none=True)
-    return {k: statistics.median(v) for k, v in ts.items()}
+        for n, b in blocks.items():
+            b.__class__, mode = before[n]
+            b.__dict__.pop("mesa_ckpt_mode", None)
+            if mode is not _UNSET:
+                b.mesa_ckpt_mode = mode
+    out = {k: statistics.median(v) for k, v in ts.items()}
+    out.setdefault("ckpt", out[0])
+    return out
 
 
 def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
@@ -299,10 +324,18 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 5) -> Profile:
         u.err = {b: (_unit_error(model, u, captured, b) if b else 0.0) for b in BITS}
         u.elements = sum(_numel_saved(model.get_submodule(n), captured.get(n)) for n in u.layers)
     del captured
-    # time: exact against every unit at 8, 4 and 2 bits, stepped in turn
-    t = _step_times(model, x, {b: {n: b for u in units for n in u.layers} for b in BITS}, time_steps)
+    # time: exact against every unit at 8, 4 and 2 bits and every block checkpointed, in turn
+    configs = {b: {n: b for u in units for n in u.layers} for b in BITS}
+    t = _step_times(model, x, configs, time_steps, blocks)
+    fwd = sum(b.fwd_time for b in binfo.values())
+    for b in binfo.values():
+        b.recompute_time = max(t["ckpt"] - t[0], 0.0) * (b.fwd_time / fwd if fwd > 0 else 1 / len(binfo))
     elements = sum(u.elements for u in units) or 1
-    alphas = {b: max(t[b] - t[0], 0.0) / elements for b in BITS[1:]}
+    # fewer bits never cost less per element (the same range, rounding and draws, more packing):
+    # a figure below the one at more bits is the timing's noise, which would buy error for nothing
+    alphas, floor = {}, 0.0
+    for b in BITS[1:]:
+        floor = alphas[b] = max(floor, (t[b] - t[0]) / elements)
     return Profile(units, list(binfo.values()), int(fixed), int(x.shape[0]), alphas[8], t[0],
                    _packed_ckpt() is not None, alphas)
 

@@ -37,9 +37,11 @@ What is measured and what is estimated (read before trusting a plan):
   (:func:`mesa_ops.fidelity.grad_fidelity`).
 * **Time** (estimated from measurements): a unit at b bits costs ``alphas[b]`` seconds per
   element it keeps, ``alphas[b]`` = (step time with every unit at b bits - exact step time) /
-  elements, from the probe (exact and 8 / 4 / 2 bits stepped in turn); checkpointing a block
-  costs its measured forward time (the recomputation; median of 3 forwards), a packed one also
-  8-bit quantization of its input.
+  elements, from the probe (exact and 8 / 4 / 2 bits stepped in turn; never below the figure at
+  more bits, which a lower one could only be by the timing's noise); checkpointing a block
+  costs its share of what checkpointing every block adds to the exact step (stepped in turn with
+  the others; shared out by the blocks' forward times, medians of 3), a packed one also 8-bit
+  quantization of its input.
 
 Optimization: start exact; greedily apply the move (a unit one step lower: off->8->4->2, alone
 or with the units reading its packed copy at its bits, as one; a block
@@ -166,7 +168,7 @@ class _State:
             if mode == "packed8":
                 err2 += blk.in_err8 ** 2
                 t += self.p.cost_per_element(8) * blk.in_elements
-            t += blk.fwd_time
+            t += blk.recompute_time
         return by * self.s, math.sqrt(err2), t * self.s
 
     def reserve(self) -> int:
@@ -197,7 +199,7 @@ class _State:
                 lost = sum(c.bytes[self.bits[c.name]] - self.unit_bytes(c, self.bits[c.name]) for c in outside)
                 yield (("ckpt", name, "exact"), (self.own_bytes(name) - blk.in_bytes - lost) * self.s,
                        -sum(u.err[self.bits[u.name]] ** 2 for u in inner),
-                       (blk.fwd_time - sum(p.cost_per_element(self.bits[u.name]) * u.elements for u in inner))
+                       (blk.recompute_time - sum(p.cost_per_element(self.bits[u.name]) * u.elements for u in inner))
                        * self.s)
             elif mode == "exact" and p.packed_ckpt:
                 yield (("ckpt", name, "packed8"), (blk.in_bytes - _packed_bytes(blk)) * self.s,

@@ -26,6 +26,11 @@ def profiled():
 def test_profile_measures_each_option(profiled):
     model, x, prof = profiled
     assert len(prof.blocks) == 3 and prof.probe_batch == 2
+    # time per element per bits (never less at fewer bits), each block's share of what
+    # checkpointing them all added; the blocks are left as they were (timed checkpointed)
+    assert set(prof.alphas) == {8, 4, 2} and 0 <= prof.alphas[8] <= prof.alphas[4] <= prof.alphas[2]
+    assert prof.alpha == prof.alphas[8] and all(b.recompute_time >= 0 for b in prof.blocks)
+    assert all(type(b).__name__ == "Block" and "mesa_ckpt_mode" not in vars(b) for b in model.blocks)
     names = {u.name for u in prof.units}
     assert "blocks.0.attn.attention" in names and "patch_embed.proj" not in names  # stem stays exact
     for u in prof.units:
@@ -160,13 +165,13 @@ def test_time_objective_fastest_plan_fits(profiled, fraction, tmp_path):
         P.make_plan(prof, budget, batch_size=2, objective="speed")
 
 
-def _synthetic(alphas, fwd_time=0.5):
+def _synthetic(alphas, recompute_time=0.5):
     """Two blocks of two units, 1e6 elements each: 4 MB exact, 1 / 0.5 / 0.25 MB at 8 / 4 / 2
     bits; each block's input 1 MB; ``alphas`` seconds per element per bits; step 1 s."""
     units = [P.Unit(f"b{i}.u{j}", [f"b{i}.u{j}"], f"b{i}", 10**6,
                     {0: 4 * 10**6, 8: 10**6, 4: 5 * 10**5, 2: 25 * 10**4},
                     {0: 0.0, 8: 0.01, 4: 0.05, 2: 0.2}) for i in range(2) for j in range(2)]
-    blocks = [P.BlockInfo(f"b{i}", in_bytes=10**6, in_err8=0.01, fwd_time=fwd_time, in_elements=25 * 10**4)
+    blocks = [P.BlockInfo(f"b{i}", in_bytes=10**6, in_err8=0.01, recompute_time=recompute_time, in_elements=25 * 10**4)
               for i in range(2)]
     return P.Profile(units, blocks, 0, 1, alphas[8], 1.0, True, dict(alphas))
 
@@ -182,7 +187,7 @@ def test_time_objective_weighs_fewer_bits_against_recomputation():
     n4 = sum(b == 4 for b in plan.bits.values())
     assert plan.est_extra_time == pytest.approx(0.1 * (4 - n4) + 0.12 * n4)
     # the same with recomputation cheap: 8 bits and packed checkpoints beat 4 bits
-    cheap = P.make_plan(_synthetic({8: 1e-7, 4: 1e-6, 2: 2e-6}, fwd_time=0.01), int(2.5e6), 1,
+    cheap = P.make_plan(_synthetic({8: 1e-7, 4: 1e-6, 2: 2e-6}, recompute_time=0.01), int(2.5e6), 1,
                         objective="time", recompute_transient=False)
     assert any(cheap.ckpt.values()) and 4 not in cheap.bits.values(), cheap
 
