@@ -51,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "emulation only: run the kernels' 64-bit-index variants whatever the sizes");
   m.def("launches", []() { return static_cast<int64_t>(mesa_emu::state().launches); },
         "emulation only: kernel launches so far in this thread");
+  m.def("vector_accesses", []() { return static_cast<int64_t>(mesa_emu::state().vector_accesses); },
+        "emulation only: the kernels' wide (vector) loads and stores so far in this thread");
 #else
   m.attr("emulated") = false;
 #endif

@@ -8,7 +8,8 @@
 // it. So shared memory is the function's static storage (one block lives at a time), atomics
 // are plain read-modify-writes and __threadfence is a no-op. A barrier that some threads of a
 // block reach while others have returned is a divergent __syncthreads and fails the launch.
-// Only what quant_cuda.cu uses is provided; warp-level intrinsics are deliberately absent.
+// Only what quant_cuda.cu uses is provided; warp-level intrinsics are deliberately absent. Wide
+// accesses (quant_cuda_vec.cuh's vcopy) are counted, and a launch that made a misaligned one fails.
 #pragma once
 #include <ucontext.h>
 
@@ -30,6 +31,13 @@ struct dim3 {
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 using cudaStream_t = void*;
+// CUDA's 8- and 16-byte vector words (quant_cuda_vec.cuh's vcopy)
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 
 namespace mesa_emu {
 
@@ -41,6 +49,8 @@ struct State {
   bool* done = nullptr;
   bool force_index64 = false;  // run the 64-bit-index kernels at any size (tests)
   uint64_t launches = 0;       // kernel launches so far (tests count them per op)
+  uint64_t vector_accesses = 0;  // wide loads/stores so far (quant_cuda_vec.cuh's vcopy)
+  uint64_t misaligned = 0;       // of those, misaligned ones in the running launch (a GPU faults)
 };
 
 inline State& state() {
@@ -100,6 +110,10 @@ inline void launch(dim3 grid, dim3 block, const std::function<void()>& body) {
         }
       }
   s.body = nullptr;
+  const uint64_t bad = s.misaligned;
+  s.misaligned = 0;
+  TORCH_CHECK(bad == 0, "cuda emulation: ", bad, " misaligned vector access(es) in one launch (a "
+              "GPU faults on these)");
 }
 
 inline void syncthreads() {

@@ -8,13 +8,30 @@
 //                    many: a thread per group) and finalizes: the (2, G) min/max, or the running-range
 //                    update of (clip_val, shift, iteration) with the (4, G) rows it quantizes with
 //                    (quant_math.h's finalize_group, as the CPU kernel)
-//   quantize_kernel  packed codes, one thread per output byte; x read in place when row-strided
-//                    (q/k/v of a fused qkv projection), optionally row-normalized (a LayerNorm's
-//                    x-hat from its input and statistics)
+//   quantize_kernel  packed codes; x read in place when row-strided (q/k/v of a fused qkv
+//                    projection), optionally row-normalized (a LayerNorm's x-hat from its input
+//                    and statistics)
 //   dequantize_kernel / lut_kernel / levels_kernel: restore into a given buffer, a function of
 //                    the stored tensor through a per-group table (GELU), the table's arguments
 // The exact prefix rows (HeadRows, quant_math.h's head_index): quantize_kernel also copies them
 // out of x, dequantize_kernel / lut_kernel write them over the restored rows (no copy launches).
+//
+// Vectorised (issue 36; helpers in quant_cuda_vec.cuh): a thread handles a run of consecutive
+// elements, with one division for the run's first group (and row) and the rest stepped
+// (GroupCursor / RowCursor), and every wide access through vcopy, taken only where the address
+// is aligned to it (else the same run element by element):
+//   quantize_kernel  runs of 16 elements -> 2 * bits bytes of codes, one 16/8/4/2-byte store; a
+//                    contiguous x read in 16-byte loads (a strided x or a partial run: scalar
+//                    loads, its row stepped; LayerNorm rows normalized after the load)
+//   dequantize_kernel / lut_kernel: runs of 8 elements: their codes in one 8/4/2-byte load (1-bit:
+//                    a byte), the values (and lut's mul) in 16-byte accesses; the head's rows
+//                    (division per element, only when a head is given) and partial runs scalar
+//   minmax_kernel    the data pass in runs of 8 of a group's elements: one wide load where the run
+//                    lies in one row of `inner` of a contiguous x (not row-normalized), else
+//                    scalar loads with the element index stepped across the group's rows
+// The codes, noise (uniform(seed, e), keyed by the element) and values are those of the scalar
+// kernels, bit for bit. Under MESA_CUDA_EMULATION vcopy checks alignment (a misaligned access
+// fails the launch), as a GPU would fault where x86 does not.
 //
 // quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches per stored
 // activation (the last-block counter persists per stream: the last block resets it). Index math is 32-bit wherever
@@ -55,6 +72,7 @@
 
 #include "quant_api.h"
 #include "quant_math.h"
+#include "quant_cuda_vec.cuh"
 
 namespace mesa {
 namespace {
@@ -77,58 +95,6 @@ void with_index(int64_t extent, F&& f) {
     f(uint32_t{});
   else
     f(int64_t{});
-}
-
-// Element e of x in logical order (see row_layout): p[e] for a contiguous x, else
-// p[(e / len) * stride + e % len].
-template <typename T, typename I>
-struct DRows {
-  const T* __restrict__ p;
-  I len, stride;
-  __device__ __forceinline__ T raw(I e) const {
-    return len == stride ? p[e] : p[(e / len) * stride + e % len];
-  }
-  __device__ __forceinline__ float at(I e) const { return static_cast<float>(raw(e)); }
-};
-
-// A LayerNorm's statistics, one per row of rn_len elements (norm == false: none).
-struct DNorm {
-  const float* __restrict__ mean;
-  const float* __restrict__ rstd;
-  int64_t len;
-};
-
-template <typename T, typename I, bool NORM>
-__device__ __forceinline__ float load(const DRows<T, I>& x, const DNorm& rn, I e) {
-  const float v = x.at(e);
-  if (!NORM) return v;
-  const I r = e / static_cast<I>(rn.len);
-  return normalize_one(v, rn.mean[r], rn.rstd[r]);
-}
-
-__device__ __forceinline__ bool nonfinite(float v) {
-  uint32_t b;
-  memcpy(&b, &v, sizeof(b));
-  return nonfinite_bits(b);
-}
-
-// Every thread of the block passes its (lo, hi, non-finite flag); the block's min, max and
-// flag end up in s_lo[0], s_hi[0], s_bad[0] (a tree in shared memory; all threads must call).
-__device__ __forceinline__ void block_minmax(float lo, float hi, int bad, float* s_lo, float* s_hi,
-                                             int* s_bad) {
-  const unsigned tid = threadIdx.x;
-  s_lo[tid] = lo;
-  s_hi[tid] = hi;
-  s_bad[tid] = bad;
-  __syncthreads();
-  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-    if (tid < half) {
-      s_lo[tid] = s_lo[tid + half] < s_lo[tid] ? s_lo[tid + half] : s_lo[tid];
-      s_hi[tid] = s_hi[tid + half] > s_hi[tid] ? s_hi[tid + half] : s_hi[tid];
-      s_bad[tid] |= s_bad[tid + half];
-    }
-    __syncthreads();
-  }
 }
 
 // What the last block of minmax_kernel does with the per-group min/max.
@@ -163,15 +129,39 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
   const float inf = std::numeric_limits<float>::infinity();
   float lo = inf, hi = -inf;
   int bad = 0;
+  // runs of kMinmaxRun consecutive j of the group (j = o * inner + r: element (o * G + g) *
+  // inner + r); a run inside one row of `inner` of a contiguous x is one wide load
+  constexpr int R = kMinmaxRun;
   const I begin = static_cast<I>(blockIdx.x) * chunk;
   const I end = std::min<I>(per_group, begin + chunk);
-  for (I j = begin + tid; j < end; j += blockDim.x) {
+  for (I j = begin + tid * R; j < end; j += blockDim.x * R) {
+    const I cnt = std::min<I>(R, end - j);
     const I o = j / inner;
-    const I e = (o * G + g) * inner + (j - o * inner);
-    const float v = load<T, I, NORM>(x, rn, e);
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
-    bad |= nonfinite(v) ? 1 : 0;
+    I r = j - o * inner;
+    I e = (o * G + g) * inner + r;
+    alignas(16) T buf[R];
+    if (!NORM && cnt == R && r + R <= inner && x.len == x.stride && run_aligned<T, R>(x.p + e)) {
+      vcopy_run<R * sizeof(T)>(buf, x.p + e);
+      MESA_UNROLL
+      for (int i = 0; i < R; ++i) {
+        const float v = static_cast<float>(buf[i]);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+        bad |= nonfinite(v) ? 1 : 0;
+      }
+      continue;
+    }
+    for (I i = 0; i < cnt; ++i) {
+      const float v = load<T, I, NORM>(x, rn, e);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+      bad |= nonfinite(v) ? 1 : 0;
+      ++e;
+      if (++r == inner) {  // the next row of the group: G * inner elements on
+        r = 0;
+        e += (G - 1) * inner;
+      }
+    }
   }
   block_minmax(lo, hi, bad, s_lo, s_hi, s_bad);
   if (tid == 0) {
@@ -250,30 +240,56 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
 }
 
 // The codes, and with hd.p the exact prefix rows of what is stored (x, or x-hat in float32).
+// A thread packs runs of kQuantRun elements (2 * bits bytes: one store of 16/8/4/2 bytes where
+// aligned); a contiguous x is read in wide loads, a row-strided one element by element with its
+// row stepped; the group (and a LayerNorm row) is stepped, not divided, per element.
 template <typename T, typename I, bool NORM>
 __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ out, I n,
                                 I nbytes, int bits, I inner, I G, const float* __restrict__ inv,
                                 const float* __restrict__ shift, uint64_t seed, bool stochastic,
                                 HeadRows hd) {
-  const int per = 8 / bits;
+  constexpr int R = kQuantRun;
   const float maxq = static_cast<float>((1u << bits) - 1u);
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
-  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < nbytes; k += stride) {
-    uint32_t byte = 0;
-    for (int j = 0; j < per; ++j) {
-      const I e = k * per + j;
-      if (e >= n) break;
-      const float v = load<T, I, NORM>(x, rn, e);
+  const I run_bytes = static_cast<I>(2 * bits);
+  const I runs = (n + R - 1) / R;
+  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
+    const I e0 = k * R;
+    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
+    alignas(16) T buf[R];
+    const bool wide = x.len == x.stride && cnt == R && run_aligned<T, R>(x.p + e0);
+    if (wide) vcopy_run<R * sizeof(T)>(buf, x.p + e0);
+    GroupCursor<I> gc(e0, inner, G);
+    RowCursor<I> xr(e0, x.len);
+    RowCursor<I> nr(e0, static_cast<I>(NORM ? rn.len : 1));
+    // the codes, element i at bit i * bits of the 128 bits w[1]:w[0] (bits divides 64: no code
+    // straddles the words); loops unrolled to R with a break, so indices stay compile-time
+    // (buf, w and the restore kernels' arrays in registers)
+    alignas(16) uint64_t w[2] = {0u, 0u};
+    MESA_UNROLL
+    for (int i = 0; i < R; ++i) {
+      if (i >= cnt) break;
+      float v = wide ? static_cast<float>(buf[i]) : static_cast<float>(x.p[xr.q * x.stride + xr.c]);
+      if (NORM) v = normalize_one(v, rn.mean[nr.q], rn.rstd[nr.q]);
       uint32_t q;
-      if (bits == 1) {
+      if (bits == 1)
         q = mask_one(v);
-      } else {
-        const I g = (e / inner) % G;
-        q = quantize_one(v, inv[g], shift[g], stochastic ? uniform(seed, e) : 0.5f, maxq);
-      }
-      byte |= q << (j * bits);
+      else
+        q = quantize_one(v, inv[gc.g], shift[gc.g], stochastic ? uniform(seed, e0 + i) : 0.5f, maxq);
+      const int bit = i * bits;
+      if (bit < 64)
+        w[0] |= static_cast<uint64_t>(q) << bit;
+      else
+        w[1] |= static_cast<uint64_t>(q) << (bit - 64);
+      gc.next();
+      xr.next();
+      if (NORM) nr.next();
     }
-    out[k] = static_cast<uint8_t>(byte);
+    uint8_t* o = out + k * run_bytes;
+    if (cnt == R && store_codes(o, w, bits)) continue;
+    const I nb = std::min<I>(run_bytes, nbytes - k * run_bytes);  // the bytes of this run
+    for (I b = 0; b < nb; ++b)
+      o[b] = static_cast<uint8_t>((b < 8 ? w[0] : w[1]) >> ((b & 7) * 8));
   }
   if (hd.p == nullptr) return;
   const I C = static_cast<I>(hd.C), N = static_cast<I>(hd.N), P = static_cast<I>(hd.P);
@@ -287,56 +303,68 @@ __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ o
   }
 }
 
-template <typename I>
-__device__ __forceinline__ uint32_t code_at(const uint8_t* __restrict__ in, I e, int bits) {
-  const int per = 8 / bits;
-  return (static_cast<uint32_t>(in[e / per]) >> ((e % per) * bits)) & ((1u << bits) - 1u);
-}
-
-// Element e of the head (hd) when it lies in the exact prefix rows: *v its value.
-template <typename T, typename I>
-__device__ __forceinline__ bool head_value(const HeadRows& hd, I e, T* v) {
-  I h;
-  if (hd.p == nullptr || !head_index<I>(e, static_cast<I>(hd.C), static_cast<I>(hd.N),
-                                        static_cast<I>(hd.P), &h))
-    return false;
-  *v = static_cast<const T*>(hd.p)[h];
-  return true;
-}
-
+// A thread restores runs of kRestoreRun elements: their codes in one load, the values in wide
+// stores (store_run), the group stepped along the run; the head's rows (hd) as they are.
 template <typename T, typename I>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ in, const float* __restrict__ step,
                                   const float* __restrict__ shift, T* __restrict__ out, I n,
                                   int bits, I inner, I G, HeadRows hd) {
+  constexpr int R = kRestoreRun;
+  const uint32_t mask = (1u << bits) - 1u;
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
-  for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
-    T v;
-    if (head_value<T, I>(hd, e, &v)) {
-      out[e] = v;
-      continue;
+  const I runs = (n + R - 1) / R;
+  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
+    const I e0 = k * R;
+    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
+    const uint64_t c = load_codes(in, k, cnt, bits);
+    GroupCursor<I> gc(e0, inner, G);
+    alignas(16) T v[R];
+    MESA_UNROLL
+    for (int i = 0; i < R; ++i, gc.next()) {
+      if (i >= cnt) break;
+      if (head_value<T, I>(hd, e0 + i, v + i)) continue;
+      const uint32_t q = static_cast<uint32_t>(c >> (i * bits)) & mask;
+      v[i] = static_cast<T>(dequantize_one(q, step[gc.g], shift[gc.g]));
     }
-    const I g = (e / inner) % G;
-    out[e] = static_cast<T>(dequantize_one(code_at(in, e, bits), step[g], shift[g]));
+    store_run(out, e0, cnt, v);
   }
 }
 
 // out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel); the
-// head's rows (hd) as they are
+// head's rows (hd) as they are. Runs as dequantize_kernel's, mul read in wide loads.
 template <typename T, typename I>
 __global__ void lut_kernel(const uint8_t* __restrict__ in, const T* __restrict__ table,
                            const T* __restrict__ mul, T* __restrict__ out, I n, int bits, I inner,
                            I G, HeadRows hd) {
   using acc_t = at::opmath_type<T>;
+  constexpr int R = kRestoreRun;
+  const uint32_t mask = (1u << bits) - 1u;
   const I levels = static_cast<I>(1) << bits;
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
-  for (I e = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
-    T v;
-    if (head_value<T, I>(hd, e, &v)) {
-      out[e] = v;
-      continue;
+  const I runs = (n + R - 1) / R;
+  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
+    const I e0 = k * R;
+    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
+    const uint64_t c = load_codes(in, k, cnt, bits);
+    alignas(16) T m[R];
+    const bool wide_mul = mul != nullptr && cnt == R && run_aligned<T, R>(mul + e0);
+    if (wide_mul) vcopy_run<R * sizeof(T)>(m, mul + e0);
+    GroupCursor<I> gc(e0, inner, G);
+    alignas(16) T v[R];
+    MESA_UNROLL
+    for (int i = 0; i < R; ++i, gc.next()) {
+      if (i >= cnt) break;
+      if (head_value<T, I>(hd, e0 + i, v + i)) continue;
+      const uint32_t q = static_cast<uint32_t>(c >> (i * bits)) & mask;
+      const T t = table[gc.g * levels + q];
+      if (mul == nullptr) {
+        v[i] = t;
+      } else {
+        const T f = wide_mul ? m[i] : mul[e0 + i];
+        v[i] = static_cast<T>(static_cast<acc_t>(f) * static_cast<acc_t>(t));
+      }
     }
-    const T t = table[((e / inner) % G) * levels + code_at(in, e, bits)];
-    out[e] = mul == nullptr ? t : static_cast<T>(static_cast<acc_t>(mul[e]) * static_cast<acc_t>(t));
+    store_run(out, e0, cnt, v);
   }
 }
 
@@ -443,6 +471,7 @@ void launch_quantize(const at::Tensor& x, const float* inv, const float* shift, 
   if (n == 0) return;
   const int64_t per = 8 / bits;
   const int64_t nbytes = (n + per - 1) / per;
+  const int64_t runs = (n + kQuantRun - 1) / kQuantRun;
   const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
   const uint64_t useed = static_cast<uint64_t>(seed);
   const int b = static_cast<int>(bits);
@@ -453,12 +482,12 @@ void launch_quantize(const at::Tensor& x, const float* inv, const float* shift, 
                                     static_cast<I>(row_stride)};
       if (mean != nullptr) {
         auto k = &quantize_kernel<scalar_t, I, true>;
-        MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
+        MESA_LAUNCH(k, blocks_for(runs), kThreads, rows, rn, out, static_cast<I>(n),
                     static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
                     shift, useed, stochastic, hd);
       } else {
         auto k = &quantize_kernel<scalar_t, I, false>;
-        MESA_LAUNCH(k, blocks_for(nbytes), kThreads, rows, rn, out, static_cast<I>(n),
+        MESA_LAUNCH(k, blocks_for(runs), kThreads, rows, rn, out, static_cast<I>(n),
                     static_cast<I>(nbytes), b, static_cast<I>(inner), static_cast<I>(groups), inv,
                     shift, useed, stochastic, hd);
       }
@@ -510,7 +539,7 @@ at::Tensor dequantize_out_cuda(const at::Tensor& packed, const at::Tensor& step,
     with_index(n + 8, [&](auto tag) {
       using I = decltype(tag);
       auto k = &dequantize_kernel<scalar_t, I>;
-      MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), step.data_ptr<float>(),
+      MESA_LAUNCH(k, blocks_for((n + kRestoreRun - 1) / kRestoreRun), kThreads, packed.data_ptr<uint8_t>(), step.data_ptr<float>(),
                   shift.data_ptr<float>(), out.data_ptr<scalar_t>(), static_cast<I>(n),
                   static_cast<int>(bits), static_cast<I>(inner), static_cast<I>(groups), hd);
     });
@@ -551,7 +580,7 @@ at::Tensor lut_apply_out_cuda(const at::Tensor& packed, const at::Tensor& table,
     with_index(n + 8, [&](auto tag) {
       using I = decltype(tag);
       auto k = &lut_kernel<scalar_t, I>;
-      MESA_LAUNCH(k, blocks_for(n), kThreads, packed.data_ptr<uint8_t>(), table.data_ptr<scalar_t>(),
+      MESA_LAUNCH(k, blocks_for((n + kRestoreRun - 1) / kRestoreRun), kThreads, packed.data_ptr<uint8_t>(), table.data_ptr<scalar_t>(),
                   has_mul ? mul->data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>(),
                   static_cast<I>(n), static_cast<int>(bits), static_cast<I>(inner),
                   static_cast<I>(groups), hd);

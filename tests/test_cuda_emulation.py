@@ -381,3 +381,110 @@ def test_prefix_rows_checks_and_launches(emu, cpu):
     for deq_out in (cpu.dequantize_out_cpu, emu.dequantize_out_cuda):
         with pytest.raises(RuntimeError, match="head"):  # 5 rows of 16 are not 288 elements' rows
             deq_out(packed, step, shift, 8, 2, 8, torch.empty(x.numel()), torch.empty(5, 1, 16))
+
+
+# Issue 36 item 2: the kernels' runs of consecutive elements (wide loads/stores where aligned,
+# scalar tails, the group stepped along a run). (outer, G, inner): sizes not a multiple of the
+# runs (8 or 16 elements), inner = 1, inner not a multiple of a run. The emulation fails any
+# launch that makes a misaligned wide access (cuda_emulation.h), as a GPU would fault.
+VEC_LAYOUTS = {"n=1": (1, 1, 1), "n=3": (1, 1, 3), "n=5": (1, 1, 5), "n=7": (1, 1, 7),
+               "n=4k+3": (1, 1, 4 * 11 + 3), "n=16k+3": (1, 1, 16 * 9 + 3),
+               "inner=1,G=5": (7, 5, 1), "inner=3,G=5": (9, 5, 3), "inner=13,G=2": (11, 2, 13)}
+
+
+def _view(full, offset, n):
+    """n elements of `full` from element `offset` (a base pointer 16-byte aligned only at 0/4)."""
+    return full[offset:offset + n]
+
+
+@pytest.mark.parametrize("offset", (0, 1, 3, 4))
+@pytest.mark.parametrize("layout", list(VEC_LAYOUTS))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.float64),
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_runs_at_unaligned_offsets_and_odd_sizes_equal_cpu(emu, cpu, index64, dtype, layout, offset):
+    """x, packed, out and mul as views starting `offset` elements into larger tensors: codes,
+    min/max and restored values equal the CPU kernels' (which get contiguous copies), and no
+    element around a view's out is written."""
+    outer, g, inner = VEC_LAYOUTS[layout]
+    n = outer * g * inner
+    x = _view(_input(n + 8, dtype, seed=n), offset, n)
+    xc = x.clone()
+    assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(xc, g, inner))
+    for bits in ALL_BITS:
+        inv, step, shift = _params(xc, g, inner, bits)
+        for stochastic in (True, False):
+            p = cpu.quantize_cpu(xc, inv, shift, bits, g, inner, 0x5EED_0036, stochastic)
+            pe = emu.quantize_cuda(x, inv, shift, bits, g, inner, 0x5EED_0036, stochastic)
+            assert torch.equal(pe, p), (bits, stochastic)
+        pv = _view(torch.zeros(p.numel() + 8, dtype=torch.uint8), offset, p.numel())
+        pv.copy_(p)
+        d = cpu.dequantize_cpu(p, step, shift, bits, g, inner, n, dtype)
+        for packed in (p, pv):
+            full = torch.full((n + 8,), float("nan"), dtype=dtype)
+            out = _view(full, offset, n)
+            emu.dequantize_out_cuda(packed, step, shift, bits, g, inner, out)
+            assert torch.equal(out, d), bits
+            assert full[:offset].isnan().all() and full[offset + n:].isnan().all()
+        if bits == 1:
+            continue
+        table = torch.nn.functional.gelu(cpu.levels_cpu(step, shift, bits, torch.float32)).to(dtype)
+        mul = _view(_input(n + 8, dtype, seed=1), offset, n)
+        for m in (None, mul):
+            want = cpu.lut_apply_out_cpu(p, table, bits, g, inner, torch.empty(n, dtype=dtype),
+                                         None if m is None else m.clone())
+            full = torch.full((n + 8,), float("nan"), dtype=dtype)
+            out = _view(full, offset, n)
+            emu.lut_apply_out_cuda(pv, table, bits, g, inner, out, m)
+            assert torch.equal(out, want), bits
+            assert full[:offset].isnan().all() and full[offset + n:].isnan().all()
+
+
+@pytest.mark.parametrize("offset", (0, 1))
+def test_runs_across_many_chunks_per_group_equal_cpu(emu, cpu, index64, offset):
+    """Groups of 8195 elements (5 chunks each, inner not a multiple of a run), x at an aligned
+    and a misaligned start: min/max, the range update, codes and restored values."""
+    g, inner = 3, 4 * 2048 + 3
+    n = 2 * g * inner
+    x = _view(_input(n + 4, torch.float32, seed=36), offset, n)
+    xc = x.clone()
+    x[n // 2 + 5] = 40.0
+    xc[n // 2 + 5] = 40.0
+    assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(xc, g, inner))
+    sc, se = _state(g), _state(g)
+    a = cpu.quantize_step_cpu(xc, g, inner, *sc, 0.9, 0.1, reference.UNION, 4, True, 3,
+                              torch.tensor([0]), True, True)
+    b = emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, reference.UNION, 4, True, 3,
+                               torch.tensor([0]), True, True)
+    assert torch.equal(b[0], a[0]) and torch.equal(b[4], a[4])
+    out = _view(torch.empty(n + 4), offset, n)
+    emu.dequantize_out_cuda(b[0], b[1], b[2], 4, g, inner, out)
+    assert torch.equal(out, cpu.dequantize_cpu(a[0], a[1], a[2], 4, g, inner, n, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16, torch.float64),
+                         ids=lambda d: str(d).replace("torch.", ""))
+def test_aligned_runs_take_the_wide_accesses(emu, cpu, dtype):
+    """On aligned tensors each kernel makes wide accesses (the vector paths are live), and a
+    misaligned x / out takes none in quantize / dequantize (the scalar fallback)."""
+    g, inner = 4, 256
+    n = 4 * g * inner
+    x = _input(n + 1, dtype)
+    xa, xm = x[:n], x[1:]
+    inv, step, shift = _params(xa.clone(), g, inner, 8)
+
+    def wide(fn, *args):
+        before = emu.vector_accesses()
+        r = fn(*args)
+        return emu.vector_accesses() - before, r
+
+    size = x.element_size()
+    assert wide(emu.group_minmax_cuda, xa, g, inner)[0] == n * size // 16
+    k, p = wide(emu.quantize_cuda, xa, inv, shift, 8, g, inner, 1, True)
+    assert k == n // 16 * (size + 1)  # per 16 elements: 16 * size bytes loaded, 16 stored
+    assert wide(emu.quantize_cuda, xm, inv, shift, 8, g, inner, 1, True)[0] == n // 16  # stores
+    out = torch.empty(n + 1, dtype=dtype)
+    # per 8 elements: their 8 code bytes, 8 * size bytes stored; misaligned: the codes only
+    assert wide(emu.dequantize_out_cuda, p, step, shift, 8, g, inner, out[:n])[0] == n // 8 * (1 + size // 2)
+    assert wide(emu.dequantize_out_cuda, p, step, shift, 8, g, inner, out[1:])[0] == n // 8
+    table = emu.levels_cuda(step, shift, 8, dtype)
+    assert wide(emu.lut_apply_out_cuda, p, table, 8, g, inner, out[:n], xa)[0] == n // 8 * (1 + size)
