@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import layers as L
 from .attention import QUANTIZERS, SDPA
 from .audit import audit
-from .bench import time_in_turn, train_step_time
+from .bench import sync, time_in_turn, train_step_time
 from .checkpoint import site_prefix
 from .policy import mesa_layers
 from .quant import Quantizer, prefix_rows
@@ -224,7 +224,7 @@ def _step_times(model, x, configs: dict, steps: int, blocks: dict) -> dict:
         def step():
             _set(model, bits)
             checkpoint_blocks(model, {n: ckpt for n in blocks})
-            return train_step_time(model, (x,))
+            return train_step_time(model, (x,), device=x.device)
         return step
 
     steppers = {k: stepper(v) for k, v in configs.items()}
@@ -232,7 +232,7 @@ def _step_times(model, x, configs: dict, steps: int, blocks: dict) -> dict:
         steppers["ckpt"] = stepper({}, ckpt="exact")
     before = {n: (type(b), b.__dict__.get("mesa_ckpt_mode", _UNSET)) for n, b in blocks.items()}
     try:
-        ts = time_in_turn(steppers, 1, max(steps, 1))
+        ts = time_in_turn(steppers, 1, max(steps, 1), device=x.device)
     finally:
         _set(model, {})
         model.zero_grad(set_to_none=True)
@@ -269,9 +269,11 @@ def _capture(model, x, units_on: dict, blocks: dict, timing: bool):
                 binfo[name].head_bytes = _head_bytes(ts[0], prefix)
             if ts and not timing:
                 binfo[name].in_err8 = _input_err8(ts[0], prefix)
+            sync(x.device)
             t0[name] = time.perf_counter()
 
         def bpost(mod, args, out, name=name):
+            sync(x.device)
             binfo[name].fwd_time = time.perf_counter() - t0[name]
         hooks += [b.register_forward_pre_hook(bpre), b.register_forward_hook(bpost)]
     try:

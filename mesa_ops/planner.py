@@ -272,8 +272,8 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
         caps = [None]
     elif recompute_transient:
         caps = [None] + sizes
-    else:
-        caps = [max(sizes, default=0)]
+    else:  # bits only, or any block checkpointed (nothing reserved)
+        caps = [None, max(sizes, default=0)]
     found = []
     # greedy is not optimal: for 'time' the time-ordered and the error-ordered runs, at each
     # lowest bits, and the fastest of all
@@ -309,7 +309,7 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
         biggest = sorted(prof.units, key=lambda u: -u.bytes[2])[:3]
         raise PlanError(
             f"budget {format_bytes(budget)} ({budget / 1e9:g} GB) is below the smallest configuration "
-            f"the planner can reach at batch {batch_size} ({format_bytes(smallest)}; {how}); bytes no option "
+            f"the planner can reach at batch {batch_size} (the smaller of {how}); bytes no option "
             f"reduces: {format_bytes(prof.fixed_bytes * scale)}; largest units at 2 bits: "
             + ", ".join(f"{u.name} {format_bytes(u.bytes[2] * scale)}" for u in biggest)
             + ". Lower the batch size or the input size, or raise the budget.")
@@ -323,12 +323,13 @@ def make_plan(prof: Profile, budget: int, batch_size: int, checkpointing: bool =
 
 
 def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = True,
-                  objective: str = "error", recompute_transient: bool = True) -> Plan:
+                  objective: str = "error", recompute_transient: bool = True,
+                  time_tolerance: float = 0.02) -> Plan:
     """The plan for the largest batch in 1..``limit`` that some configuration fits in ``budget``
     (bytes scale linearly with the batch, so the batches that fit are 1..B: bisection over
     :func:`make_plan`). Raises :class:`PlanError` when not even batch 1 fits."""
     def plan(batch):
-        return make_plan(prof, budget, batch, checkpointing, objective, recompute_transient)
+        return make_plan(prof, budget, batch, checkpointing, objective, recompute_transient, time_tolerance)
 
     lo = plan(1)  # raises when nothing fits
     hi = limit + 1

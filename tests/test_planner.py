@@ -214,3 +214,37 @@ def test_recompute_transient_counted_or_not():
     plan = P.make_plan(prof, int(0.8e6), batch_size=1, objective="time", recompute_transient=False)
     assert "packed8" in plan.ckpt.values() and not plan.counts_recompute
     assert plan.est_bytes <= 0.8e6 and plan.est_recompute == 8 * 10**6
+
+
+def test_no_transient_plan_still_tries_bits_alone():
+    """Not counting the transient must not force checkpointing: where one unit at 8 bits fits
+    (budget 15 of 16 MB), that is the plan, as when the transient is counted."""
+    prof = _synthetic({8: 1e-7, 4: 1.2e-7, 2: 1.5e-7}, recompute_time=0.2)
+    for counted in (True, False):
+        plan = P.make_plan(prof, int(15e6), batch_size=1, objective="time", recompute_transient=counted)
+        assert not any(plan.ckpt.values()) and plan.est_extra_time == pytest.approx(0.1), (counted, plan)
+    # per sample: 2 x 0.25 MB (+ 1 KB) with both blocks' inputs packed, 1 MB with every unit at 2 bits
+    plan = P.largest_batch(prof, int(4.5e6), limit=100, objective="time", recompute_transient=False)
+    assert plan.batch_size == 8 and not plan.counts_recompute and set(plan.ckpt.values()) == {"packed8"}
+    assert P.largest_batch(prof, int(4.5e6), limit=100, objective="time").batch_size == 4
+
+
+def test_first_step_report_of_a_plan_without_the_transient(tmp_path, monkeypatch):
+    """A plan file keeps counts_recompute; training's first-step report subtracts the transient
+    from the prediction only where the plan counted it."""
+    from training import memory
+
+    lines = []
+    monkeypatch.setattr(memory, "log", lines.append)
+    model = _model()
+    prof = _synthetic({8: 1e-7, 4: 1.2e-7, 2: 1.5e-7})
+    for counted, budget in ((False, int(0.8e6)), (True, int(30e6))):
+        plan = P.make_plan(prof, budget, batch_size=1, recompute_transient=counted)
+        plan.ckpt = {"blocks.0": "packed8"} if not counted else {}
+        plan.layer_bits = {}
+        info = P.read_plan(P.write_plan(plan, model, str(tmp_path / f"p{counted}.txt")))
+        assert info["counts_recompute"] is counted and info["est_recompute"] == plan.est_recompute
+        memory.first_step_report(info, 1, "p")(plan.est_bytes)
+        assert f"predicted saved activations {plan.est_bytes / 2**20:.2f} MiB in the forward" in lines[-1] \
+            or (counted and plan.est_recompute == 0), lines[-1]
+        assert ("while a checkpointed block is recomputed" in lines[-1]) is (counted and plan.est_recompute > 0)

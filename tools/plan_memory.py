@@ -42,7 +42,8 @@ def main(argv=None):
     ap.add_argument("--no-checkpoint", action="store_true", help="choose bits only (no block checkpointing)")
     ap.add_argument("--objective", choices=P.OBJECTIVES, default="error",
                     help="error: the least error proxy that fits, then the least time (default); time: the "
-                         "fastest that fits (8 bits or exact per layer, plain or packed checkpointing per block)")
+                         "fastest that fits by the measured estimate (bits per layer, plain or packed "
+                         "checkpointing per block), of plans within 2%% of the exact step the least error")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)

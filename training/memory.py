@@ -145,8 +145,9 @@ def first_step_report(info: dict, batch_size: int, source: str):
     ones of the first step."""
     def report(saved_bytes: float) -> None:
         k = batch_size / info["batch_size"]
-        pred = (info["est_bytes"] - info.get("est_recompute", 0)) * k
-        extra = info.get("est_recompute", 0) * k
+        # a plan made with recompute_transient=False (tools/frontier.py's) holds no transient in est_bytes
+        extra = info.get("est_recompute", 0) * k if info.get("counts_recompute", True) else 0
+        pred = info["est_bytes"] * k - extra
         scaled = "" if k == 1 else f" (scaled from the plan's batch {info['batch_size']} to {batch_size})"
         log(f"memory plan ({source}): predicted saved activations {pred / MiB:.2f} MiB in the forward"
             + (f" + {extra / MiB:.2f} MiB while a checkpointed block is recomputed" if extra else "")
