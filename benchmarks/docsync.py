@@ -238,9 +238,10 @@ def _commit(root: Path) -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                              text=True, check=True).stdout.strip()
-        # (changes to Markdown files only, e.g. the docs being refreshed, leave the code at HEAD)
+        # (changes to Markdown files and plots only, e.g. the docs being refreshed, leave the
+        # code at HEAD)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)*.md"], cwd=root, capture_output=True, text=True,
+                                ":(exclude)*.md", ":(exclude)*.png"], cwd=root, capture_output=True, text=True,
                                check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

@@ -15,7 +15,7 @@ Per model, saved-for-backward bytes and train-step time of
 * ``plan@F`` (the memory planner's fastest plan, ``mesa_ops.planner.make_plan(...,
   objective='time', recompute_transient=False)``, for F x exact's saved bytes: bits per layer
   and plain / compressed checkpointing per block; the budget counts what the forward saves,
-  as the other modes' figures do).
+  as the other modes' figures do; profiled at the frontier's batch).
 
 Timing: the eager modes are built side by side in one worker and stepped in turn (one step of
 each per round), so other load hits all alike; each compiled mode runs in a worker of its own with
@@ -159,7 +159,9 @@ class _Plans:
         self.P, self.name, self.batch, self.exact_saved, self.folder = P, name, batch, exact_saved, folder
         self.model = model = make()
         side = self.size(model)
-        self.prof = P.measure(model, torch.randn(min(batch, 2), 3, side, side))
+        # profiled at the batch it plans for: step times do not scale linearly from a smaller
+        # probe (Mesa's per-layer host time and a block's recomputation have fixed parts)
+        self.prof = P.measure(model, torch.randn(batch, 3, side, side))
 
     @staticmethod
     def size(model) -> int:
