@@ -21,7 +21,7 @@ from .checkpoint import site_prefix
 from .policy import mesa_layers
 from .quant import Quantizer, prefix_rows
 
-__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "measure", "unit_layers", "BITS"]
+__all__ = ["PlanError", "Unit", "BlockInfo", "Profile", "measure", "unit_layers", "checkpoint_blocks", "BITS"]
 
 BITS = (0, 8, 4, 2)  # 0 = exact (off)
 _ATTN = (SDPA, L.MatMul, L.Softmax)
@@ -71,6 +71,60 @@ class Profile:
         """Seconds per element a unit keeps at ``bits`` (0: exact, none); ``alpha`` where the
         profile has no figure for those bits."""
         return 0.0 if not bits else self.alphas.get(bits, self.alpha)
+
+
+# ---- checkpointing a plan's blocks ------------------------------------------------------------
+class _CheckpointedMixin:
+    """Put in front of a block's class by :func:`checkpoint_blocks`: its forward runs under
+    activation checkpointing (exact: torch.utils.checkpoint non-reentrant; packed8: the block's
+    input kept at 8 bits by mesa_ops.checkpoint.checkpoint_block) while training with grad."""
+    _mesa_ckpt = True
+
+    def forward(self, *args, **kwargs):
+        base = super().forward
+        if not (self.training and torch.is_grad_enabled()) or self.mesa_ckpt_mode is None:
+            return base(*args, **kwargs)
+        if self.mesa_ckpt_mode == "exact":
+            return torch.utils.checkpoint.checkpoint(base, *args, use_reentrant=False, **kwargs)
+        fn = _packed_ckpt()
+        if fn is None:
+            raise PlanError("packed checkpointing needs mesa_ops.checkpoint.checkpoint_block")
+        return fn(_Forward(self, type(self).__mro__[2]), *args, bits=8, **kwargs)
+
+
+class _Forward(nn.Module):
+    """The block's own forward as a module (for checkpoint_block), not registered in the model."""
+
+    def __init__(self, block, base):
+        super().__init__()
+        object.__setattr__(self, "_block", block)
+        object.__setattr__(self, "_base", base)
+        self.training = block.training
+
+    def parameters(self, recurse: bool = True):
+        return self._block.parameters(recurse)
+
+    def forward(self, *args, **kwargs):
+        return self._base.forward(self._block, *args, **kwargs)
+
+
+_CKPT_CLASSES: dict = {}
+
+
+def checkpoint_blocks(model: nn.Module, modes: dict) -> None:
+    """Checkpoint the named blocks of ``model`` ({name: 'exact' / 'packed8' / None}) in place;
+    parameter names and the state dict are unchanged."""
+    for name, mode in modes.items():
+        block = model.get_submodule(name)
+        cls = type(block)
+        if not isinstance(block, _CheckpointedMixin):
+            if cls not in _CKPT_CLASSES:
+                _CKPT_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls),
+                                          {"__module__": __name__})
+            block.__class__ = _CKPT_CLASSES[cls]
+        if mode not in (None, "exact", "packed8"):
+            raise PlanError(f"checkpoint mode of {name!r} must be None, 'exact' or 'packed8', got {mode!r}")
+        block.mesa_ckpt_mode = mode
 
 
 # ---- measuring -------------------------------------------------------------------------------
@@ -215,11 +269,9 @@ _UNSET = object()
 def _step_times(model, x, configs: dict, steps: int, blocks: dict) -> dict:
     """{key: median step seconds} of ``model`` with each of ``configs`` ({key: layer bits})
     set in turn before its step, and ``'ckpt'``: exact with every one of ``blocks`` checkpointed
-    as a plan does it (``planner.checkpoint_blocks``; one warm-up step each; in turn, so that
+    as a plan does it (``checkpoint_blocks``; one warm-up step each; in turn, so that
     load from other processes hits them alike); the model is left exact, its blocks' classes
     as they were."""
-    from .planner import checkpoint_blocks
-
     def stepper(bits, ckpt=None):
         def step():
             _set(model, bits)

@@ -72,7 +72,8 @@ import torch
 import torch.nn as nn
 
 from .audit import audit, format_bytes
-from .plan_measure import BITS, BlockInfo, PlanError, Profile, Unit, _blocks, _packed_ckpt, _set, measure
+from .plan_measure import (BITS, BlockInfo, PlanError, Profile, Unit, _blocks, _set,
+                           checkpoint_blocks, measure)
 from .policy import TAGS, assign_indices, deploy_on_init, mesa_layers
 
 __all__ = ["OBJECTIVES", "PlanError", "Unit", "BlockInfo", "Profile", "Plan", "measure", "make_plan", "write_plan",
@@ -345,59 +346,6 @@ def largest_batch(prof: Profile, budget: int, limit: int, checkpointing: bool = 
 
 
 # ---- applying and writing --------------------------------------------------------------------
-class _CheckpointedMixin:
-    """Put in front of a block's class by :func:`checkpoint_blocks`: its forward runs under
-    activation checkpointing (exact: torch.utils.checkpoint non-reentrant; packed8: the block's
-    input kept at 8 bits by mesa_ops.checkpoint.checkpoint_block) while training with grad."""
-    _mesa_ckpt = True
-
-    def forward(self, *args, **kwargs):
-        base = super().forward
-        if not (self.training and torch.is_grad_enabled()) or self.mesa_ckpt_mode is None:
-            return base(*args, **kwargs)
-        if self.mesa_ckpt_mode == "exact":
-            return torch.utils.checkpoint.checkpoint(base, *args, use_reentrant=False, **kwargs)
-        fn = _packed_ckpt()
-        if fn is None:
-            raise PlanError("packed checkpointing needs mesa_ops.checkpoint.checkpoint_block")
-        return fn(_Forward(self, type(self).__mro__[2]), *args, bits=8, **kwargs)
-
-
-class _Forward(nn.Module):
-    """The block's own forward as a module (for checkpoint_block), not registered in the model."""
-
-    def __init__(self, block, base):
-        super().__init__()
-        object.__setattr__(self, "_block", block)
-        object.__setattr__(self, "_base", base)
-        self.training = block.training
-
-    def parameters(self, recurse: bool = True):
-        return self._block.parameters(recurse)
-
-    def forward(self, *args, **kwargs):
-        return self._base.forward(self._block, *args, **kwargs)
-
-
-_CKPT_CLASSES: dict = {}
-
-
-def checkpoint_blocks(model: nn.Module, modes: dict) -> None:
-    """Checkpoint the named blocks of ``model`` ({name: 'exact' / 'packed8' / None}) in place;
-    parameter names and the state dict are unchanged."""
-    for name, mode in modes.items():
-        block = model.get_submodule(name)
-        cls = type(block)
-        if not isinstance(block, _CheckpointedMixin):
-            if cls not in _CKPT_CLASSES:
-                _CKPT_CLASSES[cls] = type(f"Checkpointed{cls.__name__}", (_CheckpointedMixin, cls),
-                                          {"__module__": __name__})
-            block.__class__ = _CKPT_CLASSES[cls]
-        if mode not in (None, "exact", "packed8"):
-            raise PlanError(f"checkpoint mode of {name!r} must be None, 'exact' or 'packed8', got {mode!r}")
-        block.mesa_ckpt_mode = mode
-
-
 PLAN_MARK = "# mesa-plan: "  # the header line holding the plan's figures as JSON
 
 
