@@ -43,7 +43,7 @@ import torch.utils.checkpoint as tckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_ops as ms
-from mesa_ops.bench import agg_pyplot
+from mesa_ops.bench import agg_pyplot, time_in_turn
 from mesa_ops.checkpoint import find_blocks, wrap_blocks
 
 __all__ = ["EAGER_MODES", "SAC_SAVE", "FrontierRow", "default_modes", "frontier", "markdown", "pareto", "plot"]
@@ -231,14 +231,9 @@ def _stepper(model, x, y):
 
 
 def _interleave(steppers: list, warmup: int, steps: int) -> list[float]:
-    times = [[] for _ in steppers]
-    for i in range(warmup + steps):
-        for j, step in enumerate(steppers):
-            t0 = time.perf_counter()
-            step()
-            if i >= warmup:
-                times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    """Median seconds of each stepper, stepped in turn (``mesa_ops.bench.time_in_turn``)."""
+    times = time_in_turn(dict(enumerate(steppers)), warmup, steps)
+    return [statistics.median(times[i]) for i in range(len(steppers))]
 
 
 def measure_eager(name: str, modes: list[str], batch: int, input_size: int, warmup: int, steps: int,
