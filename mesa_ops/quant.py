@@ -36,8 +36,6 @@ import math
 
 import torch
 
-import weakref
-
 from . import ops
 from .amp import WIDE_DTYPES
 from .compat import current_autograd_node
@@ -300,8 +298,10 @@ class QuantMixin:
         for tensors of rank >= 3 with more rows than that: the class / distillation tokens of
         (B, N, C) tokens and (B, H, N, D) heads, whose values a range shared with all tokens
         stores badly (issue 22.8). A ``q`` whose kernel wrote them already is returned as it is."""
+        if q.head is not None or not self.prefix_tokens:
+            return q
         p = prefix_rows(x.shape, self.prefix_tokens)
-        if not p or q.head is not None:
+        if not p:
             return q
         head = x.narrow(-2, 0, p)
         if norm is not None:
@@ -346,6 +346,93 @@ class QuantMixin:
 
     def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         # runs once per stored activation: kept to few Python operations
+        if not compiling():
+            be = kernel_for(get_backend(x), x, x.dtype, self._bits)
+            # eager: range update + quantize in one kernel call (CPU or CUDA), which reads a
+            # row-strided x (q, k, v of a fused qkv projection) in place; a cross-rank range
+            # update (dist_sync) takes the general path below
+            if getattr(be, "has_quantize_step", False):
+                # in a (non-reentrant) activation-checkpoint recomputation the running estimates
+                # were already updated by this step's forward: quantize with them, do not update
+                # them twice; a reentrant checkpoint's forward ran without grad (nothing
+                # quantized): its recomputation is this step's forward and updates them
+                update = _updates_range()
+                if not (update and self.dist_sync and ops.dist_world() > 1):
+                    return self._quantize_step(x, amp16, norm, be, update)
+        return self._quantize_general(x, amp16, norm)
+
+    def _step_plan(self, x: torch.Tensor, amp16: bool, norm, be, key):
+        """What :meth:`_quantize_step` passes the kernel for inputs like ``x`` (the ``key``), decided
+        once: (key, layout code, G, inner, head shape or None, stored dtype, nonfinite mode,
+        (decay, 1 - decay, range code, bits), stochastic, salt); None where ``norm`` cannot be
+        applied by the kernel (x-hat is then computed by torch first, each call). Kept in the
+        layer's ``__dict__`` until any attribute of the layer is set (:meth:`__setattr__`)."""
+        range_code = _RANGE_CODE.get(self.range_mode)
+        if range_code is None:
+            raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
+                             f"got {self.range_mode!r}")
+        xs, transposed, g, inner = self._layout(x, copy=False)  # (may resize the state)
+        if norm is not None and not self._fuses_norm(xs, norm[0], inner):
+            return None
+        p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
+        d = float(self.ema_decay)
+        stochastic = bool(self.stochastic)
+        # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
+        plan = (key, transposed, g, inner, tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
+                x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
+                (d, 1.0 - d, range_code, self._bits), stochastic, self._salt() if stochastic else None)
+        self.__dict__["_qplan"] = plan
+        return plan
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_qplan", None)  # any setting may change what _step_plan decided
+        super().__setattr__(name, value)
+
+    def __getstate__(self):
+        # (torch.save of a whole model, copy.deepcopy): the step plan is decided again, and what
+        # _it_seen holds (this quantizer's own buffers) is recorded again for the copy's buffers
+        state = super().__getstate__()
+        state.pop("_qplan", None)
+        state.pop("_it_seen", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if "iteration" in self._buffers:  # (the draw counter and iteration come as they were)
+            self._seen_iteration(self._buffers["iteration"])
+
+    def _quantize_step(self, x: torch.Tensor, amp16: bool, norm, be, update: bool) -> QTensor:
+        """The packed copy of ``x`` from one kernel call (range update and quantization), the
+        call's arguments decided once per input layout (:meth:`_step_plan`)."""
+        key = (x.shape, x.stride(), x.dtype, x.device, amp16, id(be),
+               None if norm is None else (norm[0].shape, norm[0].dtype, norm[0].is_contiguous()))
+        plan = self.__dict__.get("_qplan")
+        if plan is None or plan[0] != key:
+            plan = self._step_plan(x, amp16, norm, be, key)
+            if plan is None:  # x-hat first, by torch; then its own layout
+                return self._quantize_step(_normalized(x, norm), amp16, None, be, update)
+        _, transposed, g, inner, head_shape, dtype, mode, rng, stochastic, salt = plan
+        xs = x if not transposed else x.transpose(-2, -1) if transposed == 1 else x.permute(0, 2, 3, 1)
+        clip, shift, it = self._state()
+        head = None  # the exact prefix rows (_with_prefix), written by the kernel
+        if head_shape is not None:
+            head = torch.empty(head_shape, dtype=dtype, device=x.device)
+            head._mesa_head = True
+        # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
+        draws = self._draws_for(it)
+        packed, step, sh, finite, rows = be.quantize_step(
+            xs, g, inner, clip, shift, it, *rng, update,
+            ops.signed64(ops.salt_mix(salt)) if stochastic else 0, draws,
+            stochastic, mode == "skip", stochastic,
+            *((None, None) if norm is None else norm), head)
+        self.__dict__["_it_seen"] = (it, it._version, draws, draws._version)  # (_seen_iteration)
+        if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
+            ops.report_nonfinite(rows[3], finite, mode, self, xs)
+        return QTensor(packed, step, sh, x.shape, dtype, rng[3], g, inner, transposed, head)
+
+    def _quantize_general(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
+        """Range update (all-reduced across ranks with ``dist_sync``) and quantization as two
+        calls through :mod:`mesa_ops.ops` (torch.compile traces this path)."""
         range_code = _RANGE_CODE.get(self.range_mode)
         if range_code is None:
             raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
@@ -353,39 +440,7 @@ class QuantMixin:
         mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         bits = self._bits
-        # in a (non-reentrant) activation-checkpoint recomputation the running estimates were
-        # already updated by this step's forward: quantize with them, do not update them twice;
-        # a reentrant checkpoint's forward ran without grad (nothing quantized): its
-        # recomputation is this step's forward and updates them (see _updates_range)
         update = _updates_range()
-        be = None if compiling() else kernel_for(get_backend(x), x, x.dtype, bits)
-        # eager: range update + quantize in one kernel call (CPU or CUDA), which reads a
-        # row-strided x (q, k, v of a fused qkv projection) in place
-        fused = getattr(be, "has_quantize_step", False) and not (
-            self.dist_sync and update and ops.dist_world() > 1)
-        if fused:
-            xs, transposed, g, inner = self._layout(x, copy=False)
-            if norm is not None and not self._fuses_norm(xs, norm[0], inner):
-                x, norm = _normalized(x, norm), None  # x-hat first, by torch; then its layout
-                xs, transposed, g, inner = self._layout(x, copy=False)
-            clip, shift, it = self._state()
-            stochastic = bool(self.stochastic)
-            # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
-            mix = ops.signed64(ops.salt_mix(self._salt())) if stochastic else 0
-            dtype = x.dtype if norm is None else torch.float32
-            p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
-            head = None  # the exact prefix rows (_with_prefix), written by the kernel
-            if p:
-                head = torch.empty(xs.shape[:-2] + (p, xs.shape[-1]), dtype=dtype, device=xs.device)
-                head._mesa_head = True
-            packed, step, sh, finite, rows = be.quantize_step(
-                xs, g, inner, clip, shift, it, d, 1.0 - d, range_code, bits, update,
-                mix, self._draws_for(it), stochastic, mode == "skip", stochastic,
-                *((None, None) if norm is None else (norm[0].reshape(-1), norm[1].reshape(-1))), head)
-            self._seen_iteration(it)
-            if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
-                ops.report_nonfinite(rows[3], finite, mode, self, xs)
-            return QTensor(packed, step, sh, x.shape, dtype, bits, g, inner, transposed, head)
         if norm is not None:
             x = _normalized(x, norm)
         name = self.describe()
@@ -414,9 +469,9 @@ class QuantMixin:
 
     def _seen_iteration(self, it: torch.Tensor) -> None:
         """Record ``iteration`` and ``draws`` as this quantizer last left them (tensors and
-        versions)."""
+        versions; not pickled: :meth:`__getstate__`)."""
         d = self._draws
-        self.__dict__["_it_seen"] = (weakref.ref(it), it._version, weakref.ref(d), d._version)
+        self.__dict__["_it_seen"] = (it, it._version, d, d._version)
 
     def _draws_for(self, it: torch.Tensor) -> torch.Tensor:
         """The (1,) int64 CPU draw counter. When ``iteration`` was changed by anyone but this
@@ -425,11 +480,13 @@ class QuantMixin:
         first re-read from ``iteration``: so the rounding stream resumes however the state is
         restored. One host read then; none otherwise."""
         seen = self.__dict__.get("_it_seen")
-        if seen is None or seen[0]() is not it or seen[1] != it._version:
-            d = self._draws
-            if seen is None or (seen[2]() is d and seen[3] == d._version):
-                d[0] = int(float(it.reshape(-1)[0]))
-        return self._draws
+        d = self._buffers["draws"]
+        if seen is not None and seen[0] is it and seen[1] == it._version:
+            return d if seen[2] is d else self._draws  # (the usual case: nothing changed)
+        d = self._draws
+        if seen is None or (seen[2] is d and seen[3] == d._version):
+            d[0] = int(float(it.reshape(-1)[0]))
+        return d
 
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / .half() copy the buffers: the counter stays on the CPU (an int64

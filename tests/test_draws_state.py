@@ -76,3 +76,53 @@ def test_checkpoint_without_draws_loads_strictly_and_follows_iteration():
     assert not report.missing_quantizer_keys and any(k.endswith(".draws") for k in report.derived_keys)
     with pytest.raises(RuntimeError, match="draws"):  # a missing counter without iteration: an error
         _quantizer().load_state_dict({"clip_val": torch.ones(1), "shift": torch.zeros(1)}, strict=True)
+
+
+def test_whole_module_pickles_and_copies_resume_the_rounding_stream():
+    """torch.save of a whole trained model (not its state dict) and copy.deepcopy: the copy draws
+    the codes the original would (its counter as saved, not re-read from ``iteration``)."""
+    import copy
+    import io
+
+    q = _trained()  # draws 2, iteration 1: a counter re-read from iteration would differ
+    buf = io.BytesIO()
+    torch.save(q, buf)  # raised "cannot pickle 'weakref.ReferenceType'" before
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    twin = copy.deepcopy(q)
+    x = torch.randn(4, 8)
+    rng = torch.get_rng_state()
+    want = _step(q, x)
+    for other in (loaded, twin):
+        assert int(other._draws) == 2
+        torch.set_rng_state(rng)
+        assert torch.equal(_step(other, x), want)
+
+
+def test_settings_changed_after_a_step_take_effect():
+    """What the quantizer decides once per input layout (its step plan) is decided again when a
+    setting changes: bits, rounding, prefix rows, the layer's name (its noise stream), groups."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 16)
+    q = _quantizer()
+    first = q.quantize(x)
+    assert first.bits == 8 and first.head is None and first.groups == 1
+    q.bits = 4
+    assert q.quantize(x).packed.numel() == x.numel() // 2
+    q.stochastic = False
+    a, b = q.quantize(x).packed, q.quantize(x).packed
+    assert torch.equal(a, b)  # round to nearest: no draws
+    q.prefix_tokens = 1
+    head = q.quantize(x).head
+    assert head is not None and torch.equal(head, x[:, :1])
+    q.stochastic, q.prefix_tokens = True, 0
+    rng = torch.get_rng_state()
+    before = q.quantize(x).packed
+    q.layer_name, q._draws[0] = "another", int(q._draws) - 1
+    torch.set_rng_state(rng)
+    assert not torch.equal(q.quantize(x).packed, before)  # another salt: another stream
+    fresh = Quantizer(enable=True, quant_groups=2).train()
+    assert fresh.quantize(x).groups == 2
+    fresh.iteration.zero_()
+    fresh.update_quantization_parameter(by_index="all", quant_groups=4)
+    assert fresh.quantize(x).groups == 4

@@ -26,11 +26,13 @@ def _norm_linear(bits_norm=8, bits_fc=8, affine=True):
 
 
 @pytest.mark.parametrize("affine", (True, False))
-def test_linear_after_layernorm_reuses_its_copy(affine):
+@pytest.mark.parametrize("batch, tokens", ((4, 50), (1, 6)))
+def test_linear_after_layernorm_reuses_its_copy(affine, batch, tokens):
     """A Linear fed by a Mesa LayerNorm stores nothing: it restores its input as the norm's
     packed x-hat * weight + bias. Forward bit for bit, gradients within the 8-bit bound, bytes
-    those of the LayerNorm alone; with other bits the Linear stores its own copy."""
-    x = torch.rand(4, 50, 32) * 4 - 2
+    those of the LayerNorm alone; with other bits the Linear stores its own copy. 200 tokens:
+    the weight gradient folds the affine map in; 6 (fewer than the 24 outputs): x is restored."""
+    x = torch.rand(batch, tokens, 32) * 4 - 2
     mesa = _norm_linear(affine=affine)
     plain = copy.deepcopy(mesa)
     ms.policy.set_mesa(plain, False)
@@ -45,7 +47,7 @@ def test_linear_after_layernorm_reuses_its_copy(affine):
             assert 1e-7 < err <= 1e-2, f"{k}: rel error {err:.3e}"
     norm, fc = mesa[0], mesa[1]
     assert float(norm.iteration) == 1 and float(fc.iteration) == 0
-    rows = 4 * 50
+    rows = batch * tokens
     norm_bytes = code_bytes(rows * 32, 8) + scale_bytes(4) + 4 * rows  # x-hat, its scales, rstd
     assert meter_bytes(mesa, [x])[0] == norm_bytes
     other = _norm_linear(8, 4, affine)  # 4-bit Linear: its own 4-bit copy

@@ -27,16 +27,20 @@ class _GELU(torch.autograd.Function):
     """GELU storing its input x packed. The backward reads GELU'(x) off a table of GELU' at
     the 2^bits values each group's codes take (no per-element erf/exp, no dequantized copy);
     the packed x also goes out, so that the next Linear restores its input GELU(x) through a
-    table of GELU instead of storing a second copy."""
+    table of GELU instead of storing a second copy (in eager mode it stays on the node,
+    ``mesa_qx``, read once by :func:`gelu_fn`: one output)."""
 
     @staticmethod
-    def forward(ctx, x, approximate, quant, cdt, amp16):
+    def forward(ctx, x, approximate, quant, cdt, amp16, out_packed=False):
         xc = as_dtype(x, cdt)
         y = F.gelu(xc, approximate=approximate)
         qx = quant.quantize(xc, amp16)
         save_for_backward(ctx, qx)
         ctx.mesa_name = quant
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
+        if not out_packed:
+            ctx.mesa_qx = qx
+            return y
         packed = qx.tensors() if isinstance(qx, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
         ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
@@ -46,7 +50,7 @@ class _GELU(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         (xq,) = saved_packed(ctx)
         cdt = ctx.cdt
         g = as_dtype(gy, cdt)
@@ -62,33 +66,53 @@ class _GELU(torch.autograd.Function):
             gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g, head=head)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
-        return as_dtype(gx, ctx.x_dtype), None, None, None, None
+        return as_dtype(gx, ctx.x_dtype), None, None, None, None, None
+
+
+def _node_copy(y: torch.Tensor):
+    """The packed copy an eager Function left on ``y``'s node (``mesa_qx``), taken off it."""
+    node = y.grad_fn
+    q = node.mesa_qx
+    node.mesa_qx = None
+    return q if isinstance(q, QTensor) else None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     """GELU of x (..., C); the output carries the packed input for the next Mesa Linear."""
     plan = autocast_plan("gelu", x)
     cdt = x.dtype if plan is None else plan[0]
+    # under torch.compile the packed input comes out of the Function (dynamo keeps no Python
+    # attributes on its nodes); in eager mode it is read from the node
+    traced = compiling()
     if plan is None:
-        y, *packed = _GELU.apply(x, approximate, quant, cdt, False)
+        y = _GELU.apply(x, approximate, quant, cdt, False, traced)
     else:
         with no_autocast(x):
-            y, *packed = _GELU.apply(x, approximate, quant, *plan)
-    if packed:
+            y = _GELU.apply(x, approximate, quant, *plan, traced)
+    if traced:
+        y, *packed = y
+        if not packed:
+            return y
         g, inner = quant.groups_for(y.shape)
         qx = QTensor.of(packed, y.shape, cdt, quant.bits, g, inner, False)
-        y = attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
-    return y
+    else:
+        qx = _node_copy(y)
+        if qx is None:
+            return y
+    return attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
 
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, quant, cdt, amp16):
+    def forward(ctx, x, dim, quant, cdt, amp16, out_packed=False):
         y = torch.softmax(x.to(cdt), dim)
         qy = quant.quantize(y, amp16)
         save_for_backward(ctx, qy)
         ctx.dim, ctx.x_dtype, ctx.cdt = dim, x.dtype, cdt
-        ctx.mesa_name = quant.describe()
+        ctx.mesa_name = quant
+        if not out_packed:  # (eager: the packed copy stays on the node, see gelu_fn)
+            ctx.mesa_qx = qy
+            return y
         packed = qy.tensors() if isinstance(qy, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
         ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
@@ -98,11 +122,11 @@ class _Softmax(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         (yh,) = saved_tensors(ctx)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
         release(yh)
-        return gx.to(ctx.x_dtype), None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None
 
 
 def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
@@ -110,13 +134,20 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
     (attn @ v) reuses those bytes instead of storing the same tensor again."""
     cdt = compute_dtype("softmax", x)
     amp16 = fp16_autocast(x)
+    traced = compiling()
     with no_autocast(x):
-        y, *packed = _Softmax.apply(x, dim, quant, cdt, amp16)
-    if packed:
+        y = _Softmax.apply(x, dim, quant, cdt, amp16, traced)
+    if traced:
+        y, *packed = y
+        if not packed:
+            return y
         g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
-        y = attach_saved(y, QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False),
-                         quant.stochastic)
-    return y
+        qy = QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False)
+    else:
+        qy = _node_copy(y)
+        if qy is None:
+            return y
+    return attach_saved(y, qy, quant.stochastic)
 
 
 class _ReLU(torch.autograd.Function):

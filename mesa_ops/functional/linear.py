@@ -10,20 +10,12 @@ from ..packed import (adopt_saved, once_differentiable, release, save_for_backwa
 
 
 def _linear(x, w, b):
-    """F.linear(x, w, b), for an input of 3 or more dims as aten computes it (addmm on the
-    flattened rows, the same call, the same bits) but into an output that is not a view: a
-    custom Function's output that is a view may not be modified in place (an nn.ReLU(inplace=True)
-    after the layer raised "Output 0 of _Linear is a view and is being modified inplace")."""
-    if x.dim() <= 2 or not x.is_contiguous():
-        y = F.linear(x, w, b)
-        return y if y._base is None else y.clone()
-    out = x.new_empty(x.shape[:-1] + (w.shape[0],))
-    x2, o2 = x.view(-1, x.shape[-1]), out.view(-1, w.shape[0])
-    if b is None:
-        torch.mm(x2, w.t(), out=o2)
-    else:
-        torch.addmm(b, x2, w.t(), out=o2)
-    return out
+    """F.linear(x, w, b) (the same call, the same bits) as an output that is not a view: aten
+    returns the addmm of the flattened rows of a 3-D or larger input as a view of it, and a
+    custom Function's output that is a view may not be modified in place (an
+    nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
+    modified inplace"). ``detach`` makes a tensor of its own over the same memory, at no copy."""
+    return F.linear(x, w, b).detach()
 
 
 class _Linear(torch.autograd.Function):
@@ -58,7 +50,12 @@ class _Linear(torch.autograd.Function):
             gx = as_dtype(gx, ctx.x_dtype)
         gsum = _colsum(g2) if ctx.has_bias and need[2] else None
         if need[1]:
-            if isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
+            if isinstance(xh, tuple) and g2.shape[0] < g2.shape[1]:  # fewer tokens than
+                # outputs (small batches): x = x-hat * a + c restored (tokens x in) costs less
+                # than the fold's two passes over the (out x in) gradient below
+                gw = _gw(g2, _affine(*xh), cdt)
+                xh = xh[0]
+            elif isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
                 # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
                 xh, a, c = xh
                 gw = _gw(g2, xh, cdt)
@@ -76,6 +73,16 @@ class _Linear(torch.autograd.Function):
             gb = as_dtype(gsum, ctx.b_dtype)
         release(xh)
         return gx, gw, gb, None, None, None, None
+
+
+def _affine(xh, a, c):
+    """x-hat * a + c along the last dim as a new tensor (``xh`` may be shared with the
+    LayerNorm's backward: never modified), in x-hat's dtype (float32 or wider), as
+    :meth:`~mesa_ops.packed.AffineQTensor.restore` computes it."""
+    x = xh if a is None else xh * as_dtype(a, xh.dtype)
+    if c is not None:
+        x = x + as_dtype(c, xh.dtype) if x is xh else x.add_(as_dtype(c, xh.dtype))
+    return x
 
 
 def _colsum(g2):

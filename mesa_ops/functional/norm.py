@@ -26,10 +26,11 @@ class _LayerNorm(torch.autograd.Function):
     needs: with x-hat as the input, mean 0 and rstd 1, aten's backward gives the weight and bias
     gradients as they are and the input gradient divided by rstd. The packed x-hat also goes out
     (as Softmax's packed output does, so torch.compile sees it) for the Linear fed by y, which
-    then stores no second copy: it restores y as x-hat * weight + bias."""
+    then stores no second copy: it restores y as x-hat * weight + bias. In eager mode the packed
+    x-hat stays on the node (``mesa_qx``, read once by :func:`layer_norm_fn`): one output."""
 
     @staticmethod
-    def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16):
+    def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16, out_packed=False):
         # (aten's LayerNorm reads a contiguous copy of a strided x, PVT's patch-embedding
         # tokens (B, C, N).transpose: taken once here, it serves the kernel that packs x too)
         xc = as_dtype(x, cdt).contiguous()
@@ -47,18 +48,20 @@ class _LayerNorm(torch.autograd.Function):
         ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        if not out_packed:
+            ctx.mesa_qx = qx
+            return y
         packed = qx.tensors() if isinstance(qx, QTensor) else ()
         ctx.mark_non_differentiable(*packed)
         ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
-        if compiling():  # dynamo lets attributes be set on a single-output op's result only
-            y = y.view_as(y)
+        y = y.view_as(y)  # (dynamo lets attributes be set on a single-output op's result only)
         return (y,) + packed
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
-            return (None,) * 8
+            return (None,) * 9
         xh, rstd, w, b = saved_tensors(ctx)
         need = ctx.needs_input_grad
         cdt = ctx.cdt
@@ -81,7 +84,7 @@ class _LayerNorm(torch.autograd.Function):
         release(xh)
         gx = as_dtype(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
         return (gx, None, as_dtype(gw, ctx.p_dtypes[0]), as_dtype(gb, ctx.p_dtypes[1]), None, None, None,
-                None)
+                None, None)
 
 
 @functools.lru_cache(maxsize=32)
@@ -95,21 +98,30 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     the packed x-hat (with weight and bias) for the next Mesa Linear to reuse."""
     plan = autocast_plan("layer_norm", x)
     cdt = x.dtype if plan is None else plan[0]
+    # under torch.compile the packed x-hat comes out of the Function (dynamo keeps no Python
+    # attributes on its nodes); in eager mode it is read from the node
+    traced = compiling()
     if plan is None:
-        y, *packed = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, cdt,
-                                      False)
+        y = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, cdt, False, traced)
     else:
         with no_autocast(x):
-            y, *packed = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant,
-                                          *plan)
-    if packed:
+            y = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, *plan, traced)
+    if traced:
+        y, *packed = y
+        if not packed:
+            return y
         g, inner = quant.groups_for(y.shape)
         qdt = cdt if cdt in _WIDE else torch.float32
         qx = QTensor.of(packed, y.shape, qdt, quant.bits, g, inner, False)
-        # (its backward restores x-hat too: once for both, outside torch.compile)
-        y = attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
-                         producer=None if compiling() else y.grad_fn)
-    return y
+        return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic)
+    node = y.grad_fn
+    qx = node.mesa_qx
+    node.mesa_qx = None
+    if not isinstance(qx, QTensor):
+        return y
+    # (its backward restores x-hat too: once for both)
+    return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
+                        producer=node)
 
 
 # fewer values per channel than this (batch x spatial size): a batch norm stores its input exactly
