@@ -15,18 +15,26 @@ On tiny tensors (2 x 4 x 64) a layer's time is host time. Per row, microseconds 
 
 The difference ``layer - plain`` is what Mesa adds per stored activation on the host; a
 DeiT-Ti step stores ~86, so at small batches it bounds the step time from below.
+
+:func:`measure_model` times a whole training step (SGD) of a model at batch 1 on a 32 x 32 image
+(DeiT-Ti: 5 tokens, so the Mesa kernels cost little and the exact step is mostly its weight
+GEMMs), exact and Mesa 8-bit stepped in turn, and divides the difference by the number of
+stored activations (the quantizer calls of one Mesa step).
 """
 from __future__ import annotations
 
+import argparse
+import statistics
 import time
 
 import torch
 import torch.nn as nn
 
 import mesa_ops as ms
-from mesa_ops import backend
+from mesa_ops import backend, quant
+from mesa_ops.bench import time_in_turn
 
-__all__ = ["measure", "main"]
+__all__ = ["measure", "measure_model", "main"]
 
 
 def _us(fn, n: int) -> float:
@@ -81,10 +89,47 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def measure_model(model: str = "deit_tiny_patch16_224", steps: int = 40, warmup: int = 5) -> dict:
+    """Median step seconds of ``model`` (batch 1, 32 x 32 image, fp32, SGD), exact and Mesa
+    8-bit stepped in turn, and the number of activations one Mesa step stores."""
+    from .models import Config, _setup  # (the benchmark models: torch and timm only)
+
+    steppers = {mode: _setup(Config(model=model, mode=mode, batch=1, input_size=32))[3]
+                for mode in ("exact", "mesa8")}
+    calls = [0]
+    original = quant.QuantMixin.quantize
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    quant.QuantMixin.quantize = counted
+    try:
+        steppers["mesa8"]()
+    finally:
+        quant.QuantMixin.quantize = original
+    times = time_in_turn(steppers, warmup, steps)
+    return {"model": model, "exact": statistics.median(times["exact"]),
+            "mesa8": statistics.median(times["mesa8"]), "stored": calls[0]}
+
+
+def model_line(r: dict) -> str:
+    add = (r["mesa8"] - r["exact"]) / r["stored"] * 1e6
+    return (f"{r['model']}, batch 1, 32 x 32: exact {r['exact'] * 1e3:.2f} ms, mesa8 {r['mesa8'] * 1e3:.2f} ms "
+            f"per step; {r['stored']} stored activations: Mesa adds {add:.0f} us per stored activation")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="deit_tiny_patch16_224", help="the whole-step row's model ('' for none)")
+    ap.add_argument("--calls", type=int, default=2000, help="calls per layer row")
+    args = ap.parse_args(argv)
     print(f"# host time per call (us), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
           "tensors 2 x 4 x 64")
-    print(table(measure()))
+    print(table(measure(args.calls)))
+    if args.model:
+        print()
+        print(model_line(measure_model(args.model)))
 
 
 if __name__ == "__main__":

@@ -121,3 +121,18 @@ def test_roofline_rows_bytes_and_fractions(capsys):
     assert "| dequantize | 2,176 |" in out and "float32, 2 groups, 8 bits" in out
     with pytest.raises(SystemExit):
         roofline.main(["--device", "cpu", "--shape", "2", "17", "64", "--groups", "3"])
+
+
+def test_host_time_rows_and_the_whole_step_count(capsys):
+    """benchmarks.host_time: a row per layer with every figure timed, and the whole-step row of
+    DeiT-Ti at 32 x 32, whose Mesa step stores 86 activations (per block 2 LayerNorms, q / k / v /
+    output of the SDPA and the GELU's input; the final norm and the head's input)."""
+    from benchmarks import host_time
+
+    rows = host_time.measure(20)
+    assert [r["layer"] for r in rows] == ["Linear 64->64", "LayerNorm 64", "GELU"]
+    assert all(r[k] > 0 for r in rows for k in r if k != "layer")
+    r = host_time.measure_model("deit_tiny_patch16_224", steps=2, warmup=1)
+    assert r["stored"] == 12 * 7 + 2 and r["exact"] > 0 and r["mesa8"] > 0
+    assert "86 stored activations" in host_time.model_line(r)
+    assert host_time.quant.QuantMixin.quantize.__name__ == "quantize"  # (its counting wrapper removed)

@@ -211,15 +211,17 @@ def test_mesa_train_step_on_fake_cuda_without_host_syncs(monkeypatch, fake_autog
 def test_launch_count_of_a_deit_tiny_step(monkeypatch, fake_autograd):
     """Kernel launches of a DeiT-Ti fp16 training step (batch 2, SGD; the second step), counted on
     fake CUDA (tests/_fake_cuda.LaunchCounter), exact (flash attention) against Mesa 8-bit.
-    Measured (torch 2.14.1): exact 1160, Mesa 1696 (1.46x): 86 stored activations at 2 launches
+    Measured (torch 2.14.1): exact 1160, Mesa 1672 (1.44x): 86 stored activations at 2 launches
     each (min/max with its finalize, quantize), 110 dequantize (37 of them a GPU step does not
     make: outside the autograd engine no workspace buffer is handed from a consumer's backward
     to its producer's, packed.Share), 24 levels + 24 table launches, 24 GELU tables (GELU and
-    GELU'), 12 GELU / 12 GELU' of the exact prefix rows, the casts and the LayerNorm fold of the
-    Linear backward. The exact prefix rows cost no launch of their own: the quantize kernel
-    copies them out, the dequantize / table kernels write them back (before: 218 copies and 50
-    normalizations of the LayerNorm rows, and a ones fill per GELU backward: 1976, 1.70x;
-    before the persistent last-block counter also a fill per stored activation: 2062, 1.78x).
+    GELU'), 12 GELU / 12 GELU' of the exact prefix rows, the casts and, after each LayerNorm,
+    the restore of x (394 tokens, fewer than the 576 / 768 outputs) for the weight gradient.
+    The exact prefix rows cost no launch of their own: the quantize kernel copies them out, the
+    dequantize / table kernels write them back (before: 218 copies and 50 normalizations of the
+    LayerNorm rows, and a ones fill per GELU backward: 1976, 1.70x; before the persistent
+    last-block counter also a fill per stored activation: 2062, 1.78x; with the LayerNorm's
+    affine map folded into the weight gradient, a cast and two weight-sized passes: 1696, 1.46x).
     Issue 36's target is 1.25x; the bound here guards against growth until then."""
     monkeypatch.setattr(attn, "sdp_choice", _pytorch_like_choice(False))
     counts = {}
@@ -246,4 +248,4 @@ def test_launch_count_of_a_deit_tiny_step(monkeypatch, fake_autograd):
     assert mesa.by_op.get("mesa.quantize_step", 0) >= 2 * 12 * 6  # >= 6 stored per block
     assert mesa.by_op.get("copy_", 0) == exact.by_op.get("copy_", 0)  # (no prefix-row copies)
     assert mesa.by_op.get("ones_like", 0) == exact.by_op.get("ones_like", 0)
-    assert mesa.total <= 1.47 * exact.total
+    assert mesa.total <= 1.45 * exact.total
