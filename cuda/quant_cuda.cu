@@ -303,69 +303,57 @@ __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ o
   }
 }
 
-// A thread restores runs of kRestoreRun elements: their codes in one load, the values in wide
-// stores (store_run), the group stepped along the run; the head's rows (hd) as they are.
+// dequantize_kernel and lut_kernel: one restore loop (restore_runs, quant_cuda_vec.cuh), their
+// values from a Run.
+
+// out = code * step[g] + shift[g] (quant_math.h's dequantize_one).
+template <typename T, typename I>
+struct DequantRun {
+  const float* __restrict__ step;
+  const float* __restrict__ shift;
+  __device__ __forceinline__ void begin(I, int) {}
+  __device__ __forceinline__ T value(I, int, uint32_t q, I g) const {
+    return static_cast<T>(dequantize_one(q, step[g], shift[g]));
+  }
+};
+
 template <typename T, typename I>
 __global__ void dequantize_kernel(const uint8_t* __restrict__ in, const float* __restrict__ step,
                                   const float* __restrict__ shift, T* __restrict__ out, I n,
                                   int bits, I inner, I G, HeadRows hd) {
-  constexpr int R = kRestoreRun;
-  const uint32_t mask = (1u << bits) - 1u;
-  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
-  const I runs = (n + R - 1) / R;
-  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
-    const I e0 = k * R;
-    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
-    const uint64_t c = load_codes(in, k, cnt, bits);
-    GroupCursor<I> gc(e0, inner, G);
-    alignas(16) T v[R];
-    MESA_UNROLL
-    for (int i = 0; i < R; ++i, gc.next()) {
-      if (i >= cnt) break;
-      if (head_value<T, I>(hd, e0 + i, v + i)) continue;
-      const uint32_t q = static_cast<uint32_t>(c >> (i * bits)) & mask;
-      v[i] = static_cast<T>(dequantize_one(q, step[gc.g], shift[gc.g]));
-    }
-    store_run(out, e0, cnt, v);
-  }
+  DequantRun<T, I> run{step, shift};
+  restore_runs<T, I>(in, out, n, bits, inner, G, hd, run);
 }
 
-// out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel); the
-// head's rows (hd) as they are. Runs as dequantize_kernel's, mul read in wide loads.
+// out = table[g][code] (* mul, in the op-math type as torch's mul and the CPU kernel), mul read
+// in one wide load per run where it is aligned.
+template <typename T, typename I>
+struct LutRun {
+  using acc_t = at::opmath_type<T>;
+  static constexpr int R = kRestoreRun;
+  const T* __restrict__ table;
+  const T* __restrict__ mul;
+  I levels;
+  bool wide_mul = false;
+  alignas(16) T m[R];
+  __device__ __forceinline__ void begin(I e0, int cnt) {
+    wide_mul = mul != nullptr && cnt == R && run_aligned<T, R>(mul + e0);
+    if (wide_mul) vcopy_run<R * sizeof(T)>(m, mul + e0);
+  }
+  __device__ __forceinline__ T value(I e0, int i, uint32_t q, I g) const {
+    const T t = table[g * levels + q];
+    if (mul == nullptr) return t;
+    const T f = wide_mul ? m[i] : mul[e0 + i];
+    return static_cast<T>(static_cast<acc_t>(f) * static_cast<acc_t>(t));
+  }
+};
+
 template <typename T, typename I>
 __global__ void lut_kernel(const uint8_t* __restrict__ in, const T* __restrict__ table,
                            const T* __restrict__ mul, T* __restrict__ out, I n, int bits, I inner,
                            I G, HeadRows hd) {
-  using acc_t = at::opmath_type<T>;
-  constexpr int R = kRestoreRun;
-  const uint32_t mask = (1u << bits) - 1u;
-  const I levels = static_cast<I>(1) << bits;
-  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
-  const I runs = (n + R - 1) / R;
-  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
-    const I e0 = k * R;
-    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
-    const uint64_t c = load_codes(in, k, cnt, bits);
-    alignas(16) T m[R];
-    const bool wide_mul = mul != nullptr && cnt == R && run_aligned<T, R>(mul + e0);
-    if (wide_mul) vcopy_run<R * sizeof(T)>(m, mul + e0);
-    GroupCursor<I> gc(e0, inner, G);
-    alignas(16) T v[R];
-    MESA_UNROLL
-    for (int i = 0; i < R; ++i, gc.next()) {
-      if (i >= cnt) break;
-      if (head_value<T, I>(hd, e0 + i, v + i)) continue;
-      const uint32_t q = static_cast<uint32_t>(c >> (i * bits)) & mask;
-      const T t = table[gc.g * levels + q];
-      if (mul == nullptr) {
-        v[i] = t;
-      } else {
-        const T f = wide_mul ? m[i] : mul[e0 + i];
-        v[i] = static_cast<T>(static_cast<acc_t>(f) * static_cast<acc_t>(t));
-      }
-    }
-    store_run(out, e0, cnt, v);
-  }
+  LutRun<T, I> run{table, mul, static_cast<I>(1) << bits};
+  restore_runs<T, I>(in, out, n, bits, inner, G, hd, run);
 }
 
 template <typename T>

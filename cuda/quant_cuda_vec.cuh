@@ -1,6 +1,7 @@
 // Device helpers of quant_cuda.cu's vectorised kernels: the one wide load/store (vcopy), the
-// alignment test that picks it, and the cursor that steps an element's group (and row) along a
-// run of consecutive elements without a division per element.
+// alignment test that picks it, the cursor that steps an element's group (and row) along a
+// run of consecutive elements without a division per element, and the restore loop over runs
+// that the dequantize and table kernels share (restore_runs).
 //
 // Every wide access of the kernels goes through vcopy<B> (B = 2, 4, 8 or 16 bytes, one native
 // access: uint16_t, uint32_t, uint2, uint4). A GPU faults on a misaligned vector access where x86
@@ -8,6 +9,7 @@
 // the accesses (mesa_emu::state(): vector_accesses, misaligned); mesa_emu::launch fails a launch
 // that made a misaligned one, so every emulation test would catch it.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -216,6 +218,35 @@ __device__ __forceinline__ void store_run(T* __restrict__ out, I e0, int cnt, co
   for (int i = 0; i < R; ++i) {
     if (i >= cnt) break;
     out[e0 + i] = v[i];
+  }
+}
+
+// A thread restores runs of kRestoreRun elements: their codes in one load, the values in wide
+// stores (store_run), the group stepped along the run; the head's rows (hd) as they are. `run`
+// gives the values: run.begin(e0, cnt) once per run (its preloads), run.value(e0, i, code, g)
+// the value of element e0 + i, of group g. One loop for dequantize_kernel and lut_kernel.
+template <typename T, typename I, typename Run>
+__device__ __forceinline__ void restore_runs(const uint8_t* __restrict__ in, T* __restrict__ out,
+                                             I n, int bits, I inner, I G, const HeadRows& hd,
+                                             Run& run) {
+  constexpr int R = kRestoreRun;
+  const uint32_t mask = (1u << bits) - 1u;
+  const I stride = static_cast<I>(blockDim.x) * gridDim.x;
+  const I runs = (n + R - 1) / R;
+  for (I k = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; k < runs; k += stride) {
+    const I e0 = k * R;
+    const int cnt = static_cast<int>(std::min<I>(R, n - e0));
+    const uint64_t c = load_codes(in, k, cnt, bits);
+    run.begin(e0, cnt);
+    GroupCursor<I> gc(e0, inner, G);
+    alignas(16) T v[R];
+    MESA_UNROLL
+    for (int i = 0; i < R; ++i, gc.next()) {
+      if (i >= cnt) break;
+      if (head_value<T, I>(hd, e0 + i, v + i)) continue;
+      v[i] = run.value(e0, i, static_cast<uint32_t>(c >> (i * bits)) & mask, gc.g);
+    }
+    store_run(out, e0, cnt, v);
   }
 }
 

@@ -431,6 +431,18 @@ def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer
     return t
 
 
+def take_node_copy(y: torch.Tensor):
+    """The packed copy (a :class:`QTensor`) an eager Mesa Function left on the autograd node of
+    its output ``y`` (``ctx.mesa_qx``: LayerNorm's x-hat, GELU's input, Softmax's output, handed
+    to the next layer without being a second output of the Function), taken off the node; None
+    if there is none."""
+    node = y.grad_fn
+    q = getattr(node, "mesa_qx", None)
+    if q is not None:
+        node.mesa_qx = None
+    return q if isinstance(q, QTensor) else None
+
+
 def saved_record(t: torch.Tensor):
     """What :func:`attach_saved` recorded on ``t`` (None if nothing): read by a layer's Python
     wrapper and passed into its autograd Function as an argument, since inside the Function's

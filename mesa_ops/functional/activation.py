@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compiling, levels,
                      once_differentiable, pack_mask, release, save_for_backward, saved_packed,
-                     saved_tensors)
+                     saved_tensors, take_node_copy)
 
 
 @functools.lru_cache(maxsize=32)
@@ -69,14 +69,6 @@ class _GELU(torch.autograd.Function):
         return as_dtype(gx, ctx.x_dtype), None, None, None, None, None
 
 
-def _node_copy(y: torch.Tensor):
-    """The packed copy an eager Function left on ``y``'s node (``mesa_qx``), taken off it."""
-    node = y.grad_fn
-    q = node.mesa_qx
-    node.mesa_qx = None
-    return q if isinstance(q, QTensor) else None
-
-
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     """GELU of x (..., C); the output carries the packed input for the next Mesa Linear."""
     plan = autocast_plan("gelu", x)
@@ -96,7 +88,7 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
         g, inner = quant.groups_for(y.shape)
         qx = QTensor.of(packed, y.shape, cdt, quant.bits, g, inner, False)
     else:
-        qx = _node_copy(y)
+        qx = take_node_copy(y)
         if qx is None:
             return y
     return attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
@@ -144,7 +136,7 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
         g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
         qy = QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False)
     else:
-        qy = _node_copy(y)
+        qy = take_node_copy(y)
         if qy is None:
             return y
     return attach_saved(y, qy, quant.stochastic)

@@ -9,7 +9,7 @@ import torch
 
 from ..amp import WIDE_DTYPES as _WIDE, as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
 from ..packed import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable,
-                      release, save_for_backward, saved_tensors)
+                      release, save_for_backward, saved_tensors, take_node_copy)
 
 
 def _cast_params(cdt, x, *params):
@@ -114,14 +114,12 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
         qdt = cdt if cdt in _WIDE else torch.float32
         qx = QTensor.of(packed, y.shape, qdt, quant.bits, g, inner, False)
         return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic)
-    node = y.grad_fn
-    qx = node.mesa_qx
-    node.mesa_qx = None
-    if not isinstance(qx, QTensor):
+    qx = take_node_copy(y)
+    if qx is None:
         return y
     # (its backward restores x-hat too: once for both)
     return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
-                        producer=node)
+                        producer=y.grad_fn)
 
 
 # fewer values per channel than this (batch x spatial size): a batch norm stores its input exactly
