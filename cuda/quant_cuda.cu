@@ -85,7 +85,8 @@ int blocks_for(int64_t n) {
 }
 
 // Runs f(I{}) with I = uint32_t when every index and offset below `extent` fits in 31 bits, else
-// int64_t: per-element division and remainder in 32 bits where the sizes allow.
+// int64_t: index arithmetic (the cursors' steps along a run, the scalar paths' division and
+// remainder) in 32 bits where the sizes allow.
 template <typename F>
 void with_index(int64_t extent, F&& f) {
 #if defined(MESA_CUDA_EMULATION)

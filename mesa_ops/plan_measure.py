@@ -343,7 +343,9 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 5) -> Profile:
     models) on the probe batch ``x`` (B, 3, H, W): per unit bytes at each bits, error proxies,
     block inputs and forward times (median of 3 forwards), the quantization time per element at
     each bits (``time_steps`` timed steps of each of exact and every unit at 8 / 4 / 2 bits,
-    stepped in turn after one warm-up each)."""
+    stepped in turn after one warm-up each). ``time_steps=0``: no steps are timed (a profile for
+    bytes and errors only: its step times, per-element costs and recomputation times are 0, so
+    ``make_plan(objective='time')`` has nothing to go by)."""
     model.train()
     blocks = _blocks(model)
     units = _units(model, blocks)
@@ -380,7 +382,8 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 5) -> Profile:
     del captured
     # time: exact against every unit at 8, 4 and 2 bits and every block checkpointed, in turn
     configs = {b: {n: b for u in units for n in u.layers} for b in BITS}
-    t = _step_times(model, x, configs, time_steps, blocks)
+    t = (_step_times(model, x, configs, time_steps, blocks) if time_steps > 0
+         else dict.fromkeys([*configs, "ckpt"], 0.0))
     fwd = sum(b.fwd_time for b in binfo.values())
     for b in binfo.values():
         b.recompute_time = max(t["ckpt"] - t[0], 0.0) * (b.fwd_time / fwd if fwd > 0 else 1 / len(binfo))

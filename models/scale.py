@@ -158,8 +158,8 @@ def largest_variant(name: str, budget: float, batch_size: int, axis: str = "widt
             model = create_model(name, img_size=input_size, **kw)
             x = torch.randn(probe_batch, 3, input_size, input_size)
             got, plan = _configured_bytes(model, x, batch_size), None
-            if {"mesa8+cckpt", "plan"} & set(modes):  # (the planner's profile: seconds per variant)
-                planned, plan = _mode_bytes(P.measure(model, x, time_steps=1), batch_size, budget,
+            if {"mesa8+cckpt", "plan"} & set(modes):  # (the planner's profile: bytes, no step timed)
+                planned, plan = _mode_bytes(P.measure(model, x, time_steps=0), batch_size, budget,
                                             plan="plan" in modes)
                 got.update(planned)
             got["params"] = sum(p.numel() for p in model.parameters())

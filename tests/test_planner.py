@@ -43,6 +43,19 @@ def test_profile_measures_each_option(profiled):
     assert exact <= est <= 1.1 * exact
 
 
+def test_a_bytes_only_profile_times_no_step(profiled):
+    """``time_steps=0`` (models.scale: bytes only): the same units, bytes and errors, no step
+    timed (step time, per-element costs and recomputation times 0), and a plan by error."""
+    model, x, prof = profiled
+    quick = P.measure(model, x, time_steps=0)
+    assert [(u.name, u.bytes) for u in quick.units] == [(u.name, u.bytes) for u in prof.units]
+    assert quick.step_time == 0 and set(quick.alphas.values()) == {0.0}
+    assert all(b.recompute_time == 0 for b in quick.blocks)
+    budget = prof.fixed_bytes + sum(u.bytes[8] for u in prof.units)
+    plan = P.make_plan(quick, budget, 2)
+    assert plan.est_bytes <= budget and plan.est_step_time == 0 and plan.est_error > 0
+
+
 def test_a_copy_two_units_share_counts_once(profiled):
     """A Linear that reads its LayerNorm's packed copy (and fc2 reading GELU's) stores nothing of
     that copy itself at equal bits: with every unit at b bits the estimate is the audited total,
