@@ -69,6 +69,16 @@ def _params(x, groups, inner, bits):
     return (levels / rng).contiguous(), (rng / levels).contiguous(), lo
 
 
+def _codes_equal_cpu(emu, cpu, x, xc, inv, shift, bits, g, inner, seed):
+    """The emulated kernel's codes of ``x`` equal the CPU kernel's of ``xc`` (``x`` itself or its
+    contiguous copy), stochastic and to nearest; returns the CPU's last (to nearest) codes."""
+    for stochastic in (True, False):
+        p = cpu.quantize_cpu(xc, inv, shift, bits, g, inner, seed, stochastic)
+        pe = emu.quantize_cuda(x, inv, shift, bits, g, inner, seed, stochastic)
+        assert torch.equal(pe, p), f"{bits}-bit stochastic={stochastic}"
+    return p
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_quantize_dequantize_minmax_equal_cpu(emu, cpu, index64, dtype, layout):
@@ -77,10 +87,7 @@ def test_quantize_dequantize_minmax_equal_cpu(emu, cpu, index64, dtype, layout):
     assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(x, g, inner))
     for bits in ALL_BITS:
         inv, step, shift = _params(x, g, inner, bits)
-        for stochastic in (True, False):
-            p = cpu.quantize_cpu(x, inv, shift, bits, g, inner, 0x1234_5678_9ABC, stochastic)
-            pe = emu.quantize_cuda(x, inv, shift, bits, g, inner, 0x1234_5678_9ABC, stochastic)
-            assert torch.equal(pe, p), f"{bits}-bit stochastic={stochastic}"
+        p = _codes_equal_cpu(emu, cpu, x, x, inv, shift, bits, g, inner, 0x1234_5678_9ABC)
         for out_dtype in (dtype, torch.float32):
             d = cpu.dequantize_cpu(p, step, shift, bits, g, inner, n, out_dtype)
             assert torch.equal(emu.dequantize_cuda(p, step, shift, bits, g, inner, n, out_dtype), d)
@@ -121,9 +128,7 @@ def test_strided_inputs_read_as_their_contiguous_copies(emu, cpu, index64, case)
     assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(xc, g, inner))
     for bits in (8, 4, 2):
         inv, _, sh = _params(xc, g, inner, bits)
-        for stochastic in (True, False):
-            assert torch.equal(emu.quantize_cuda(x, inv, sh, bits, g, inner, 77, stochastic),
-                               cpu.quantize_cpu(xc, inv, sh, bits, g, inner, 77, stochastic))
+        _codes_equal_cpu(emu, cpu, x, xc, inv, sh, bits, g, inner, 77)
 
 
 def _state(g, it=0.0):
@@ -412,10 +417,7 @@ def test_runs_at_unaligned_offsets_and_odd_sizes_equal_cpu(emu, cpu, index64, dt
     assert torch.equal(emu.group_minmax_cuda(x, g, inner), cpu.group_minmax_cpu(xc, g, inner))
     for bits in ALL_BITS:
         inv, step, shift = _params(xc, g, inner, bits)
-        for stochastic in (True, False):
-            p = cpu.quantize_cpu(xc, inv, shift, bits, g, inner, 0x5EED_0036, stochastic)
-            pe = emu.quantize_cuda(x, inv, shift, bits, g, inner, 0x5EED_0036, stochastic)
-            assert torch.equal(pe, p), (bits, stochastic)
+        p = _codes_equal_cpu(emu, cpu, x, xc, inv, shift, bits, g, inner, 0x5EED_0036)
         pv = _view(torch.zeros(p.numel() + 8, dtype=torch.uint8), offset, p.numel())
         pv.copy_(p)
         d = cpu.dequantize_cpu(p, step, shift, bits, g, inner, n, dtype)
