@@ -345,7 +345,8 @@ def measure(model: nn.Module, x: torch.Tensor, time_steps: int = 5) -> Profile:
     each bits (``time_steps`` timed steps of each of exact and every unit at 8 / 4 / 2 bits,
     stepped in turn after one warm-up each). ``time_steps=0``: no steps are timed (a profile for
     bytes and errors only: its step times, per-element costs and recomputation times are 0, so
-    ``make_plan(objective='time')`` has nothing to go by)."""
+    ``make_plan(objective='time')`` has nothing to go by and the error objective breaks no tie by
+    time; models.scale, which needs only whether a plan fits, uses it)."""
     model.train()
     blocks = _blocks(model)
     units = _units(model, blocks)

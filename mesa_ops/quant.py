@@ -364,28 +364,34 @@ class QuantMixin:
     def _step_plan(self, x: torch.Tensor, amp16: bool, norm, be, key):
         """What :meth:`_quantize_step` passes the kernel for inputs like ``x`` (the ``key``), decided
         once: (key, layout code, G, inner, head shape or None, stored dtype, nonfinite mode,
-        (decay, 1 - decay, range code, bits), stochastic, salt); None where ``norm`` cannot be
-        applied by the kernel (x-hat is then computed by torch first, each call). Kept in the
-        layer's ``__dict__`` until any attribute of the layer is set (:meth:`__setattr__`)."""
+        (decay, 1 - decay, range code, bits), stochastic, salt); where the kernel cannot apply
+        ``norm`` (a batch norm's (1, C, 1, 1) statistics), (key, None, the plan of x-hat, which
+        torch computes first). Kept in the layer's ``__dict__`` until an attribute of the layer
+        is set to another value (:meth:`__setattr__`)."""
         range_code = _RANGE_CODE.get(self.range_mode)
         if range_code is None:
             raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
                              f"got {self.range_mode!r}")
         xs, transposed, g, inner = self._layout(x, copy=False)  # (may resize the state)
-        if norm is not None and not self._fuses_norm(xs, norm[0], inner):
-            return None
-        p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
-        d = float(self.ema_decay)
-        stochastic = bool(self.stochastic)
-        # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
-        plan = (key, transposed, g, inner, tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
-                x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
-                (d, 1.0 - d, range_code, self._bits), stochastic, self._salt() if stochastic else None)
+        if norm is not None and not (self._fuses_norm(xs, norm[0], inner) and norm[1].is_contiguous()):
+            xn = _normalized(x, norm)  # (its layout follows from x's: the same for the same key)
+            plan = (key, None, self._step_plan(xn, amp16, None, be, _step_key(xn, amp16, be, None)))
+        else:
+            p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
+            d = float(self.ema_decay)
+            stochastic = bool(self.stochastic)
+            # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
+            plan = (key, transposed, g, inner, tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
+                    x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
+                    (d, 1.0 - d, range_code, self._bits), stochastic, self._salt() if stochastic else None)
         self.__dict__["_qplan"] = plan
         return plan
 
     def __setattr__(self, name, value):
-        self.__dict__.pop("_qplan", None)  # any setting may change what _step_plan decided
+        # a setting set to another value may change what _step_plan decided (the same object:
+        # nothing changes, as when compressed checkpointing re-applies a block's settings)
+        if self.__dict__.get(name, _UNSET) is not value:
+            self.__dict__.pop("_qplan", None)
         super().__setattr__(name, value)
 
     def __getstate__(self):
@@ -404,13 +410,12 @@ class QuantMixin:
     def _quantize_step(self, x: torch.Tensor, amp16: bool, norm, be, update: bool) -> QTensor:
         """The packed copy of ``x`` from one kernel call (range update and quantization), the
         call's arguments decided once per input layout (:meth:`_step_plan`)."""
-        key = (x.shape, x.stride(), x.dtype, x.device, amp16, id(be),
-               None if norm is None else (norm[0].shape, norm[0].dtype, norm[0].is_contiguous()))
+        key = _step_key(x, amp16, be, norm)
         plan = self.__dict__.get("_qplan")
         if plan is None or plan[0] != key:
             plan = self._step_plan(x, amp16, norm, be, key)
-            if plan is None:  # x-hat first, by torch; then its own layout
-                return self._quantize_step(_normalized(x, norm), amp16, None, be, update)
+        if plan[1] is None:  # x-hat first, by torch; then its own plan
+            x, norm, plan = _normalized(x, norm), None, plan[2]
         _, transposed, g, inner, head_shape, dtype, mode, rng, stochastic, salt = plan
         xs = x if not transposed else x.transpose(-2, -1) if transposed == 1 else x.permute(0, 2, 3, 1)
         clip, shift, it = self._state()
@@ -482,7 +487,9 @@ class QuantMixin:
         seen = self.__dict__.get("_it_seen")
         d = self._buffers["draws"]
         if seen is not None and seen[0] is it and seen[1] == it._version:
-            return d if seen[2] is d else self._draws  # (the usual case: nothing changed)
+            # (the usual case: nothing changed; FSDP2's fully_shard moves the counter by .data,
+            # keeping the tensor and its version: _draws moves it back)
+            return d if seen[2] is d and d.device.type == "cpu" else self._draws
         d = self._draws
         if seen is None or (seen[2] is d and seen[3] == d._version):
             d[0] = int(float(it.reshape(-1)[0]))
@@ -502,6 +509,16 @@ _current_node = current_autograd_node
 # checkpoint_seq and torch.distributed's checkpoint_wrapper in REENTRANT mode): it recomputes
 # the function (whose forward ran under no_grad) and then runs a nested backward through it
 _REENTRANT_BACKWARD = "CheckpointFunctionBackward"
+
+
+_UNSET = object()
+
+
+def _step_key(x: torch.Tensor, amp16: bool, be, norm) -> tuple:
+    """What a quantizer's step plan (:meth:`QuantMixin._step_plan`) depends on besides its own
+    settings: x's layout, dtype and device, fp16 autocast, the backend, the row statistics'."""
+    return (x.shape, x.stride(), x.dtype, x.device, amp16, id(be), None if norm is None else
+            (norm[0].shape, norm[0].dtype, norm[0].is_contiguous(), norm[1].is_contiguous()))
 
 
 def _updates_range() -> bool:

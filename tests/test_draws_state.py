@@ -107,6 +107,10 @@ def test_settings_changed_after_a_step_take_effect():
     q = _quantizer()
     first = q.quantize(x)
     assert first.bits == 8 and first.head is None and first.groups == 1
+    plan = q.__dict__["_qplan"]
+    q.quantize(x)
+    q.prefix_tokens = q.prefix_tokens  # the same value (compressed checkpointing re-applies them)
+    assert q.__dict__["_qplan"] is plan  # decided once, kept
     q.bits = 4
     assert q.quantize(x).packed.numel() == x.numel() // 2
     q.stochastic = False

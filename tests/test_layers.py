@@ -667,3 +667,16 @@ def test_cuda_forward_bit_identical_and_gradient_error(name):
         assert err <= bound, f"{name} grad {k}: {err:.3e}"
     got, _ = meter_bytes(mesa, xs)
     assert got <= _expected_bytes(name, shapes, 8) + 64  # scale rows may differ on the GPU
+
+
+@pytest.mark.cuda
+def test_cuda_draw_counter_moved_by_data_comes_back_to_the_cpu():
+    """FSDP2's fully_shard moves buffers by ``.data`` (the same tensor, the same version): the
+    draw counter, which the kernels read on the host, is moved back to the CPU before a step."""
+    q = ms.Quantizer(enable=True).cuda().train()
+    x = torch.randn(4, 8, device="cuda")
+    q.quantize(x)
+    d = q._buffers["draws"]
+    d.data = d.data.cuda()
+    q.quantize(x)
+    assert q._buffers["draws"].device.type == "cpu" and int(q._draws) == 2

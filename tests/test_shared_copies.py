@@ -27,17 +27,22 @@ def _norm_linear(bits_norm=8, bits_fc=8, affine=True):
 
 @pytest.mark.parametrize("affine", (True, False))
 @pytest.mark.parametrize("batch, tokens", ((4, 50), (1, 6)))
-def test_linear_after_layernorm_reuses_its_copy(affine, batch, tokens):
+def test_linear_after_layernorm_reuses_its_copy(affine, batch, tokens, monkeypatch):
     """A Linear fed by a Mesa LayerNorm stores nothing: it restores its input as the norm's
     packed x-hat * weight + bias. Forward bit for bit, gradients within the 8-bit bound, bytes
     those of the LayerNorm alone; with other bits the Linear stores its own copy. 200 tokens:
     the weight gradient folds the affine map in; 6 (fewer than the 24 outputs): x is restored."""
+    from mesa_ops.functional import linear
+
     x = torch.rand(batch, tokens, 32) * 4 - 2
     mesa = _norm_linear(affine=affine)
     plain = copy.deepcopy(mesa)
     ms.policy.set_mesa(plain, False)
+    restored, real = [], linear._affine
+    monkeypatch.setattr(linear, "_affine", lambda *a: restored.append(a) or real(*a))
     y0, gy, g0 = run(plain, [x])
     y1, _, g1 = run(mesa, [x], gy)
+    assert len(restored) == (batch * tokens < 24)  # x restored only with fewer tokens than outputs
     assert torch.equal(y1, y0)
     for k in g0:
         err = rel_err(g1[k], g0[k])
