@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from . import layers as L
-from .quant import (IGNORED_KEYS, KEYS, PolicyError, QuantMixin, parse_groups, set_prefix_tokens,
-                    update_quantization_parameter)
+from .quant import QuantMixin, set_prefix_tokens, update_quantization_parameter
+from .settings import IGNORED_KEYS, KEYS, PolicyError, parse_groups
 
 _log = logging.getLogger("mesa_ops")
 
