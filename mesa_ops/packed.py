@@ -431,16 +431,36 @@ def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer
     return t
 
 
-def take_node_copy(y: torch.Tensor):
-    """The packed copy (a :class:`QTensor`) an eager Mesa Function left on the autograd node of
-    its output ``y`` (``ctx.mesa_qx``: LayerNorm's x-hat, GELU's input, Softmax's output, handed
-    to the next layer without being a second output of the Function), taken off the node; None
-    if there is none."""
-    node = y.grad_fn
-    q = getattr(node, "mesa_qx", None)
-    if q is not None:
-        node.mesa_qx = None
-    return q if isinstance(q, QTensor) else None
+def hand_on(ctx, y: torch.Tensor, q, out_packed: bool):
+    """What a Mesa Function returns with the packed copy ``q`` it hands the next layer (a
+    LayerNorm's x-hat, a GELU's input, a Softmax's or SDPA's output; None or a tensor stored
+    exactly: nothing): in eager mode ``y`` alone, ``q`` left on ``ctx`` for :func:`output_copy`;
+    under torch.compile (``out_packed``: dynamo keeps no Python attributes on its nodes)
+    ``(y, *q.tensors())``, the packed tensors non-differentiable."""
+    if not out_packed:
+        ctx.mesa_qx = q
+        return y
+    packed = q.tensors() if isinstance(q, QTensor) else ()
+    ctx.mark_non_differentiable(*packed)
+    ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
+    return (y,) + packed
+
+
+def output_copy(out, out_packed: bool, quant, dtype: torch.dtype):
+    """(y, the :class:`QTensor` handed on with it, or None) from what :func:`hand_on` returned:
+    in eager mode read (and taken) off y's node; under torch.compile rebuilt from the extra
+    outputs (``quant``'s groups and bits, stored in ``dtype``)."""
+    if not out_packed:
+        node = out.grad_fn
+        q = getattr(node, "mesa_qx", None)
+        if q is not None:
+            node.mesa_qx = None
+        return out, q if isinstance(q, QTensor) else None
+    y, *packed = out
+    if not packed:
+        return y, None
+    g, inner = quant.groups_for(y.shape)
+    return y, QTensor.of(packed, y.shape, dtype, quant.bits, g, inner, False)
 
 
 def saved_record(t: torch.Tensor):

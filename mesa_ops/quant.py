@@ -350,6 +350,14 @@ class QuantMixin:
                     return self._quantize_step(x, amp16, norm, be, update)
         return self._quantize_general(x, amp16, norm)
 
+    def _range_code(self) -> int:
+        """The kernels' code of ``range_mode`` (reference.RANGE_MODES); a ValueError names a bad one."""
+        code = _RANGE_CODE.get(self.range_mode)
+        if code is None:
+            raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
+                             f"got {self.range_mode!r}")
+        return code
+
     def _step_plan(self, x: torch.Tensor, amp16: bool, norm, be, key):
         """What :meth:`_quantize_step` passes the kernel for inputs like ``x`` (the ``key``), decided
         once: (key, layout code, G, inner, head shape or None, stored dtype, nonfinite mode,
@@ -357,10 +365,7 @@ class QuantMixin:
         ``norm`` (a batch norm's (1, C, 1, 1) statistics), (key, None, the plan of x-hat, which
         torch computes first). Kept in the layer's ``__dict__`` until an attribute of the layer
         is set to another value (:meth:`__setattr__`)."""
-        range_code = _RANGE_CODE.get(self.range_mode)
-        if range_code is None:
-            raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
-                             f"got {self.range_mode!r}")
+        range_code = self._range_code()
         xs, transposed, g, inner = self._layout(x, copy=False)  # (may resize the state)
         if norm is not None and not (self._fuses_norm(xs, norm[0], inner) and norm[1].is_contiguous()):
             xn = _normalized(x, norm)  # (its layout follows from x's: the same for the same key)
@@ -427,10 +432,7 @@ class QuantMixin:
     def _quantize_general(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         """Range update (all-reduced across ranks with ``dist_sync``) and quantization as two
         calls through :mod:`mesa_ops.ops` (torch.compile traces this path)."""
-        range_code = _RANGE_CODE.get(self.range_mode)
-        if range_code is None:
-            raise ValueError(f"{self.describe()}: range_mode must be one of {RANGE_MODES}, "
-                             f"got {self.range_mode!r}")
+        range_code = self._range_code()
         mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
         bits = self._bits

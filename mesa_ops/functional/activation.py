@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compiling, levels,
-                     once_differentiable, pack_mask, release, save_for_backward, saved_packed,
-                     saved_tensors, take_node_copy)
+from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compiling, hand_on, levels,
+                     once_differentiable, output_copy, pack_mask, release, save_for_backward,
+                     saved_packed, saved_tensors)
 
 
 @functools.lru_cache(maxsize=32)
@@ -28,7 +28,7 @@ class _GELU(torch.autograd.Function):
     the 2^bits values each group's codes take (no per-element erf/exp, no dequantized copy);
     the packed x also goes out, so that the next Linear restores its input GELU(x) through a
     table of GELU instead of storing a second copy (in eager mode it stays on the node,
-    ``mesa_qx``, read once by :func:`gelu_fn`: one output)."""
+    one output: :func:`~mesa_ops.packed.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16, out_packed=False):
@@ -38,13 +38,7 @@ class _GELU(torch.autograd.Function):
         save_for_backward(ctx, qx)
         ctx.mesa_name = quant
         ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
-        if not out_packed:
-            ctx.mesa_qx = qx
-            return y
-        packed = qx.tensors() if isinstance(qx, QTensor) else ()
-        ctx.mark_non_differentiable(*packed)
-        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
-        return (y,) + packed
+        return hand_on(ctx, y, qx, out_packed)
 
     @staticmethod
     @once_differentiable
@@ -81,16 +75,9 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     else:
         with no_autocast(x):
             y = _GELU.apply(x, approximate, quant, *plan, traced)
-    if traced:
-        y, *packed = y
-        if not packed:
-            return y
-        g, inner = quant.groups_for(y.shape)
-        qx = QTensor.of(packed, y.shape, cdt, quant.bits, g, inner, False)
-    else:
-        qx = take_node_copy(y)
-        if qx is None:
-            return y
+    y, qx = output_copy(y, traced, quant, cdt)
+    if qx is None:
+        return y
     return attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
 
 
@@ -102,13 +89,7 @@ class _Softmax(torch.autograd.Function):
         save_for_backward(ctx, qy)
         ctx.dim, ctx.x_dtype, ctx.cdt = dim, x.dtype, cdt
         ctx.mesa_name = quant
-        if not out_packed:  # (eager: the packed copy stays on the node, see gelu_fn)
-            ctx.mesa_qx = qy
-            return y
-        packed = qy.tensors() if isinstance(qy, QTensor) else ()
-        ctx.mark_non_differentiable(*packed)
-        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
-        return (y,) + packed  # the packed copy goes out too, for attn @ v to reuse
+        return hand_on(ctx, y, qy, out_packed)  # (attn @ v reuses the packed copy)
 
     @staticmethod
     @once_differentiable
@@ -129,16 +110,9 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
     traced = compiling()
     with no_autocast(x):
         y = _Softmax.apply(x, dim, quant, cdt, amp16, traced)
-    if traced:
-        y, *packed = y
-        if not packed:
-            return y
-        g, inner = quant.groups_for(y.shape)  # y is contiguous: stored as it is
-        qy = QTensor.of(packed, y.shape, y.dtype, quant.bits, g, inner, False)
-    else:
-        qy = take_node_copy(y)
-        if qy is None:
-            return y
+    y, qy = output_copy(y, traced, quant, cdt)  # (y is contiguous: stored as it is)
+    if qy is None:
+        return y
     return attach_saved(y, qy, quant.stochastic)
 
 

@@ -29,8 +29,8 @@ import functools
 import torch
 
 from ..amp import as_dtype, fp16_autocast, no_autocast
-from ..packed import (QTensor, attach_saved, compiling, once_differentiable, release, save_for_backward,
-                      saved_tensors)
+from ..packed import (attach_saved, compiling, hand_on, once_differentiable, output_copy, release,
+                      save_for_backward, saved_tensors)
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
@@ -179,15 +179,8 @@ class _SDPA(torch.autograd.Function):
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
-        y = token_layout(out) if merge else out
-        ctx.mesa_qo = qo if merge and isinstance(qo, QTensor) else None
-        if out_packed:  # (torch.compile: the packed output goes out, as the GELU's packed input)
-            packed = qo.tensors() if ctx.mesa_qo is not None else ()
-            ctx.mesa_qo = None
-            ctx.mark_non_differentiable(*packed)
-            ctx.set_materialize_grads(False)
-            return (y,) + packed
-        return y
+        # (the token-layout output hands its packed copy on: hand_on)
+        return hand_on(ctx, token_layout(out), qo, out_packed) if merge else out
 
     @staticmethod
     @once_differentiable
@@ -318,16 +311,10 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         amp16 = fp16_autocast(q)  # read before autocast is switched off
         with no_autocast(q):
             y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, out_packed)
-    if out_packed:
-        y, *packed = y
-        if packed:
-            g, inner = mod.quant_o.groups_for(y.shape)
-            qo = QTensor.of(packed, y.shape, cdt, mod.quant_o.bits, g, inner, False)
-            y = attach_saved(y, qo, mod.quant_o.stochastic)
+    if not merge:
         return y
-    node = y.grad_fn
-    qo = getattr(node, "mesa_qo", None)
-    if qo is not None:
-        y = attach_saved(y, qo, mod.quant_o.stochastic, producer=node, item=3)  # (saved item 3: out)
-        node.mesa_qo = None
-    return y
+    y, qo = output_copy(y, out_packed, mod.quant_o, cdt)
+    if qo is None:
+        return y
+    # (saved item 3, out, restores the same tensor: once for both, outside torch.compile)
+    return attach_saved(y, qo, mod.quant_o.stochastic, producer=None if out_packed else y.grad_fn, item=3)

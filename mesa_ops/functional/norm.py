@@ -8,8 +8,8 @@ import functools
 import torch
 
 from ..amp import WIDE_DTYPES as _WIDE, as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (AffineQTensor, QTensor, attach_saved, compiling, once_differentiable,
-                      release, save_for_backward, saved_tensors, take_node_copy)
+from ..packed import (AffineQTensor, attach_saved, compiling, hand_on, once_differentiable,
+                      output_copy, release, save_for_backward, saved_tensors)
 
 
 def _cast_params(cdt, x, *params):
@@ -27,7 +27,7 @@ class _LayerNorm(torch.autograd.Function):
     gradients as they are and the input gradient divided by rstd. The packed x-hat also goes out
     (as Softmax's packed output does, so torch.compile sees it) for the Linear fed by y, which
     then stores no second copy: it restores y as x-hat * weight + bias. In eager mode the packed
-    x-hat stays on the node (``mesa_qx``, read once by :func:`layer_norm_fn`): one output."""
+    x-hat stays on the node, one output (:func:`~mesa_ops.packed.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16, out_packed=False):
@@ -48,14 +48,9 @@ class _LayerNorm(torch.autograd.Function):
         ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        if not out_packed:
-            ctx.mesa_qx = qx
-            return y
-        packed = qx.tensors() if isinstance(qx, QTensor) else ()
-        ctx.mark_non_differentiable(*packed)
-        ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
-        y = y.view_as(y)  # (dynamo lets attributes be set on a single-output op's result only)
-        return (y,) + packed
+        if out_packed:  # dynamo lets attributes be set on a single-output op's result only
+            y = y.view_as(y)
+        return hand_on(ctx, y, qx, out_packed)
 
     @staticmethod
     @once_differentiable
@@ -106,20 +101,12 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     else:
         with no_autocast(x):
             y = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, *plan, traced)
-    if traced:
-        y, *packed = y
-        if not packed:
-            return y
-        g, inner = quant.groups_for(y.shape)
-        qdt = cdt if cdt in _WIDE else torch.float32
-        qx = QTensor.of(packed, y.shape, qdt, quant.bits, g, inner, False)
-        return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic)
-    qx = take_node_copy(y)
+    y, qx = output_copy(y, traced, quant, cdt if cdt in _WIDE else torch.float32)
     if qx is None:
         return y
-    # (its backward restores x-hat too: once for both)
+    # (its backward restores x-hat too: once for both, outside torch.compile)
     return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
-                        producer=y.grad_fn)
+                        producer=None if traced else y.grad_fn)
 
 
 # fewer values per channel than this (batch x spatial size): a batch norm stores its input exactly
