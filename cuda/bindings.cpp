@@ -49,6 +49,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("emulated") = true;  // the CUDA ops below run their kernels on CPU tensors
   m.def("set_index64", [](bool on) { mesa_emu::state().force_index64 = on; },
         "emulation only: run the kernels' 64-bit-index variants whatever the sizes");
+  m.def("set_coop_blocks", [](int64_t n) { mesa_emu::state().coop_blocks = static_cast<int>(n); },
+        "emulation only: blocks a cooperative launch may have (0: none, quantize_step takes two launches)");
   m.def("launches", []() { return static_cast<int64_t>(mesa_emu::state().launches); },
         "emulation only: kernel launches so far in this thread");
   m.def("vector_accesses", []() { return static_cast<int64_t>(mesa_emu::state().vector_accesses); },

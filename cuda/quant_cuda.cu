@@ -2,12 +2,9 @@
 // ops of quant_cpu.cpp (same arguments, same bits), launched on the current stream, with no host
 // synchronisation anywhere (the running-range update and the non-finite flags stay on the GPU).
 //
-//   minmax_kernel    per-group min/max/non-finite partials of a (outer, G, inner) tensor (grid
-//                    (chunks, G), one block-level reduction per chunk); the last block to finish
-//                    reduces the partials (few groups: each group's chunks by the whole block;
-//                    many: a thread per group) and finalizes: the (2, G) min/max, or the running-range
-//                    update of (clip_val, shift, iteration) with the (4, G) rows it quantizes with
-//                    (quant_math.h's finalize_group, as the CPU kernel)
+//   minmax_kernel    the range pass (quant_cuda_range.cuh) as a grid of (chunks, G) blocks, one
+//                    chunk each; the last block to finish reduces the partials and finalizes: the
+//                    (2, G) min/max, or the running-range update and the (4, G) rows to quantize with
 //   quantize_kernel  packed codes; x read in place when row-strided (q/k/v of a fused qkv
 //                    projection), optionally row-normalized (a LayerNorm's x-hat from its input
 //                    and statistics)
@@ -33,8 +30,9 @@
 // kernels, bit for bit. Under MESA_CUDA_EMULATION vcopy checks alignment (a misaligned access
 // fails the launch), as a GPU would fault where x86 does not.
 //
-// quantize_step_cuda = minmax_kernel (range update) + quantize_kernel: two launches per stored
-// activation (the last-block counter persists per stream: the last block resets it). Index math is 32-bit wherever
+// quantize_step_cuda = quantize_step_kernel: the range pass, the finalize and the codes in one
+// cooperative launch (grid-wide syncs between them; issue 36), else minmax_kernel + quantize_kernel
+// (the last-block counter persists per stream). Index math is 32-bit wherever
 // the sizes allow. The same file compiles for the host under MESA_CUDA_EMULATION
 // (quant_cuda_emu.cpp, cuda_emulation.h), where the kernels run on CPU tensors: the tests check
 // these kernels against the CPU kernels without a GPU.
@@ -53,6 +51,7 @@
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #define MESA_LAUNCH(kernel, grid, block, ...)                                          \
   do {                                                                                 \
     kernel<<<(grid), (block), 0, at::cuda::getCurrentCUDAStream()>>>(__VA_ARGS__);     \
@@ -66,13 +65,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <utility>
 
 #include "quant_api.h"
 #include "quant_math.h"
 #include "quant_cuda_vec.cuh"
+#include "quant_cuda_range.cuh"
+#include "quant_cuda_launch.h"
 
 namespace mesa {
 namespace {
@@ -98,22 +97,8 @@ void with_index(int64_t extent, F&& f) {
     f(int64_t{});
 }
 
-// What the last block of minmax_kernel does with the per-group min/max.
-struct Finalize {
-  int op;  // kMinMax: (2, G) min/max into mm; kRange: the range update and its (4, G) rows
-  float* mm;
-  float* clip;
-  float* shift;
-  float* iteration;
-  float* rows;
-  float decay, one_minus_decay, levels;
-  int mode;
-  bool update, mark_nonfinite;
-};
-constexpr int kMinMax = 0;
-constexpr int kRange = 1;
-
-// part: (3, G, chunks) partial lo, hi, non-finite (1/0) of each chunk of each group.
+// One chunk of one group per block (grid (chunks, G)); the last block to finish (a counter that
+// persists per stream, reset by that block) reduces the partials and finalizes.
 template <typename T, typename I, bool NORM>
 __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group, I chunk,
                               float* __restrict__ part, unsigned* __restrict__ counter,
@@ -122,133 +107,30 @@ __global__ void minmax_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group
   __shared__ float s_hi[kThreads];
   __shared__ int s_bad[kThreads];
   __shared__ bool s_last;
-  __shared__ int s_any_bad;
-  __shared__ float s_iteration;
-  const unsigned tid = threadIdx.x;
-  const I g = blockIdx.y;
   const I chunks = gridDim.x;
-  const float inf = std::numeric_limits<float>::infinity();
-  float lo = inf, hi = -inf;
-  int bad = 0;
-  // runs of kMinmaxRun consecutive j of the group (j = o * inner + r: element (o * G + g) *
-  // inner + r); a run inside one row of `inner` of a contiguous x is one wide load
-  constexpr int R = kMinmaxRun;
-  const I begin = static_cast<I>(blockIdx.x) * chunk;
-  const I end = std::min<I>(per_group, begin + chunk);
-  for (I j = begin + tid * R; j < end; j += blockDim.x * R) {
-    const I cnt = std::min<I>(R, end - j);
-    const I o = j / inner;
-    I r = j - o * inner;
-    I e = (o * G + g) * inner + r;
-    alignas(16) T buf[R];
-    if (!NORM && cnt == R && r + R <= inner && x.len == x.stride && run_aligned<T, R>(x.p + e)) {
-      vcopy_run<R * sizeof(T)>(buf, x.p + e);
-      MESA_UNROLL
-      for (int i = 0; i < R; ++i) {
-        const float v = static_cast<float>(buf[i]);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        bad |= nonfinite(v) ? 1 : 0;
-      }
-      continue;
-    }
-    for (I i = 0; i < cnt; ++i) {
-      const float v = load<T, I, NORM>(x, rn, e);
-      lo = v < lo ? v : lo;
-      hi = v > hi ? v : hi;
-      bad |= nonfinite(v) ? 1 : 0;
-      ++e;
-      if (++r == inner) {  // the next row of the group: G * inner elements on
-        r = 0;
-        e += (G - 1) * inner;
-      }
-    }
-  }
-  block_minmax(lo, hi, bad, s_lo, s_hi, s_bad);
-  if (tid == 0) {
-    part[(0 * G + g) * chunks + blockIdx.x] = s_lo[0];
-    part[(1 * G + g) * chunks + blockIdx.x] = s_hi[0];
-    part[(2 * G + g) * chunks + blockIdx.x] = static_cast<float>(s_bad[0]);
+  minmax_chunk<T, I, NORM>(x, rn, G, inner, per_group, chunk, static_cast<I>(blockIdx.x),
+                           static_cast<I>(blockIdx.y), chunks, part, s_lo, s_hi, s_bad);
+  if (threadIdx.x == 0) {
     __threadfence();
     s_last = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+    if (s_last) *counter = 0u;  // every other block has counted: the next launch starts at 0
   }
   __syncthreads();
   if (!s_last) return;
-
-  // ---- the last block: reduce the chunks of each group and finalize ----------------------
-  if (tid == 0) {
-    *counter = 0u;  // every other block has counted: the next launch on this stream starts at 0
-    s_any_bad = 0;
-    s_iteration = fin.op == kRange ? fin.iteration[0] : 0.0f;
-  }
-  __syncthreads();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  if (G * 4 >= static_cast<I>(blockDim.x) || chunks <= 4) {
-    // many groups or few chunks: one thread per group walks its chunks
-    for (I q = tid; q < G; q += blockDim.x) {
-      float l = inf, h = -inf, b = 0.0f;
-      for (I c = 0; c < chunks; ++c) {
-        const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
-        l = pl < l ? pl : l;
-        h = ph > h ? ph : h;
-        b = part[(2 * G + q) * chunks + c] > b ? 1.0f : b;
-      }
-      const bool f = b == 0.0f && finite_range(l, h);
-      part[(0 * G + q) * chunks] = f ? l : nan;
-      part[(1 * G + q) * chunks] = f ? h : nan;
-      if (!f) s_any_bad = 1;  // (every writer writes 1)
-    }
-  } else {
-    // few groups, many chunks (G = 1: up to 2048 chunks): each group's chunks reduced by the
-    // whole block, strided loads then a tree in shared memory, instead of one thread walking
-    // them all while the others wait (min, max and the flag do not depend on the order)
-    for (I q = 0; q < G; ++q) {
-      float l = inf, h = -inf;
-      int b = 0;
-      for (I c = tid; c < chunks; c += blockDim.x) {
-        const float pl = part[(0 * G + q) * chunks + c], ph = part[(1 * G + q) * chunks + c];
-        l = pl < l ? pl : l;
-        h = ph > h ? ph : h;
-        b |= part[(2 * G + q) * chunks + c] != 0.0f ? 1 : 0;
-      }
-      block_minmax(l, h, b, s_lo, s_hi, s_bad);
-      if (tid == 0) {
-        const bool f = s_bad[0] == 0 && finite_range(s_lo[0], s_hi[0]);
-        part[(0 * G + q) * chunks] = f ? s_lo[0] : nan;
-        part[(1 * G + q) * chunks] = f ? s_hi[0] : nan;
-        if (!f) s_any_bad = 1;
-      }
-      __syncthreads();  // (s_lo / s_hi / s_bad are the next group's)
-    }
-  }
-  __syncthreads();
-  const bool ok = s_any_bad == 0 && fin.update;
-  const bool take = fin.mode == kRangeBatch || s_iteration == 0.0f;
-  for (I q = tid; q < G; q += blockDim.x) {
-    const float l = part[(0 * G + q) * chunks], h = part[(1 * G + q) * chunks];
-    if (fin.op == kMinMax) {
-      fin.mm[q] = l;
-      fin.mm[G + q] = h;
-      continue;
-    }
-    const bool f = l == l;  // not NaN
-    finalize_group(l, h, ok, take, fin.decay, fin.one_minus_decay, fin.mode, fin.levels,
-                   fin.clip + q, fin.shift + q, fin.rows + q, static_cast<int64_t>(G));
-    fin.rows[3 * G + q] = f ? 1.0f : 0.0f;
-    if (!f && fin.mark_nonfinite) fin.rows[2 * G + q] = nan;
-  }
-  if (tid == 0 && fin.op == kRange && ok) fin.iteration[0] = fadd(s_iteration, 1.0f);
+  finalize_ranges<I>(part, G, chunks, fin, s_lo, s_hi, s_bad);
 }
 
 // The codes, and with hd.p the exact prefix rows of what is stored (x, or x-hat in float32).
 // A thread packs runs of kQuantRun elements (2 * bits bytes: one store of 16/8/4/2 bytes where
 // aligned); a contiguous x is read in wide loads, a row-strided one element by element with its
 // row stepped; the group (and a LayerNorm row) is stepped, not divided, per element.
+// inv / shift are read with plain loads (not const __restrict__): in quantize_step_kernel
+// another block wrote them in the same launch, which the read-only cache path does not see.
 template <typename T, typename I, bool NORM>
-__global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ out, I n,
-                                I nbytes, int bits, I inner, I G, const float* __restrict__ inv,
-                                const float* __restrict__ shift, uint64_t seed, bool stochastic,
-                                HeadRows hd) {
+__device__ __forceinline__ void quantize_runs(const DRows<T, I>& x, const DNorm& rn,
+                                              uint8_t* __restrict__ out, I n, I nbytes, int bits,
+                                              I inner, I G, const float* inv, const float* shift,
+                                              uint64_t seed, bool stochastic, const HeadRows& hd) {
   constexpr int R = kQuantRun;
   const float maxq = static_cast<float>((1u << bits) - 1u);
   const I stride = static_cast<I>(blockDim.x) * gridDim.x;
@@ -302,6 +184,49 @@ __global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ o
     else
       static_cast<T*>(hd.p)[h] = x.raw(e);
   }
+}
+
+template <typename T, typename I, bool NORM>
+__global__ void quantize_kernel(DRows<T, I> x, DNorm rn, uint8_t* __restrict__ out, I n,
+                                I nbytes, int bits, I inner, I G, const float* __restrict__ inv,
+                                const float* __restrict__ shift, uint64_t seed, bool stochastic,
+                                HeadRows hd) {
+  quantize_runs<T, I, NORM>(x, rn, out, n, nbytes, bits, inner, G, inv, shift, seed, stochastic, hd);
+}
+
+// What quantize_step_kernel packs once the range is final (quantize_kernel's arguments but the
+// scales, which are the rows it finalizes).
+template <typename I>
+struct QuantArgs {
+  uint8_t* out;
+  I n, nbytes;
+  int bits;
+  uint64_t seed;
+  bool stochastic;
+  HeadRows hd;
+};
+
+// minmax_kernel + quantize_kernel in one cooperative launch (the grid fits on the device at
+// once): each block reduces chunks (c, g) = (v % chunks, v / chunks) for v = blockIdx.x,
+// + gridDim.x, ...; the grid syncs; block 0 finalizes the range into fin.rows; the grid syncs;
+// every block packs runs with those rows. The same partials, rows and codes as the two launches.
+template <typename T, typename I, bool NORM>
+__global__ void quantize_step_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group, I chunk,
+                                     I chunks, float* part, Finalize fin, QuantArgs<I> qa) {
+  __shared__ float s_lo[kThreads];
+  __shared__ float s_hi[kThreads];
+  __shared__ int s_bad[kThreads];
+  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
+  for (I v = blockIdx.x; v < chunks * G; v += gridDim.x) {
+    minmax_chunk<T, I, NORM>(x, rn, G, inner, per_group, chunk, v % chunks, v / chunks, chunks,
+                             part, s_lo, s_hi, s_bad);
+    __syncthreads();  // (thread 0 has read s_lo[0] / s_hi[0] / s_bad[0] before the next chunk)
+  }
+  grid.sync();
+  if (blockIdx.x == 0) finalize_ranges<I>(part, G, chunks, fin, s_lo, s_hi, s_bad);
+  grid.sync();
+  quantize_runs<T, I, NORM>(x, rn, qa.out, qa.n, qa.nbytes, qa.bits, inner, G, fin.rows,
+                            fin.rows + 2 * G, qa.seed, qa.stochastic, qa.hd);
 }
 
 // dequantize_kernel and lut_kernel: one restore loop (restore_runs, quant_cuda_vec.cuh), their
@@ -384,35 +309,17 @@ int64_t extent_of(const at::Tensor& xr, int64_t row_len, int64_t row_stride) {
   return std::max<int64_t>(n, rows * std::max(row_stride, row_len)) + 8;
 }
 
-// minmax_kernel's last-block counter: one zeroed int per (device, stream), allocated (and zeroed)
-// on first use and reset to 0 by the last block of every launch, so a call costs no fill launch.
-// Launches on one stream run in order, so they never share it concurrently. The cache is never
-// destroyed (device memory must not be freed after the CUDA context at exit). While the stream
-// is captured into a CUDA graph, the call gets a counter of its own instead (`fresh`, zeroed by
-// a fill the graph captures: each replay starts from 0 whatever stream replays it, and no fill of
-// the shared one is captured instead of run).
-unsigned* persistent_counter(const at::Tensor& like, at::Tensor* fresh) {
-#if defined(MESA_CUDA_EMULATION)
-  // emulated: the launches of a thread run in order (one counter per thread, as per stream)
-  (void)fresh;
-  static thread_local at::Tensor mine;
-  if (!mine.defined()) mine = at::zeros({1}, like.options().dtype(at::kInt));
-  return reinterpret_cast<unsigned*>(mine.data_ptr<int>());
-#else
-  if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) {
-    *fresh = at::zeros({1}, like.options().dtype(at::kInt));
-    return reinterpret_cast<unsigned*>(fresh->data_ptr<int>());
-  }
-  static std::mutex mu;
-  static auto* cache = new std::map<std::pair<int, int64_t>, at::Tensor>();
-  const std::pair<int, int64_t> key{static_cast<int>(like.device().index()),
-                                    static_cast<int64_t>(at::cuda::getCurrentCUDAStream().id())};
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache->find(key);
-  if (it == cache->end())
-    it = cache->emplace(key, at::zeros({1}, like.options().dtype(at::kInt))).first;
-  return reinterpret_cast<unsigned*>(it->second.data_ptr<int>());
-#endif
+// How the range pass splits each group of a tensor of n elements: chunks of at least
+// kThreads * 8 elements, at most 2048 / groups of them (one block each).
+struct ChunkPlan {
+  int64_t per_group, chunk, chunks;
+};
+ChunkPlan chunk_plan(int64_t n, int64_t groups) {
+  const int64_t per_group = n / groups;
+  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(
+      (per_group + kThreads * 8 - 1) / (kThreads * 8), std::max<int64_t>(1, 2048 / groups)));
+  const int64_t chunk = std::max<int64_t>(1, (per_group + want - 1) / want);
+  return {per_group, chunk, std::max<int64_t>(1, (per_group + chunk - 1) / chunk)};
 }
 
 // The per-group min/max pass over x (any layout), finalized as `fin` says.
@@ -422,11 +329,8 @@ void launch_minmax(const at::Tensor& x, int64_t groups, int64_t inner, const flo
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
   const int64_t n = xr.numel();
   TORCH_CHECK(groups <= 65535, "mesa group_minmax: at most 65535 groups on CUDA, got ", groups);
-  const int64_t per_group = n / groups;
-  const int64_t want = std::max<int64_t>(1, std::min<int64_t>(
-      (per_group + kThreads * 8 - 1) / (kThreads * 8), std::max<int64_t>(1, 2048 / groups)));
-  const int64_t chunk = std::max<int64_t>(1, (per_group + want - 1) / want);
-  const int64_t chunks = std::max<int64_t>(1, (per_group + chunk - 1) / chunk);
+  const ChunkPlan cp = chunk_plan(n, groups);
+  const int64_t per_group = cp.per_group, chunk = cp.chunk, chunks = cp.chunks;
   auto part = at::empty({3, groups, chunks}, xr.options().dtype(at::kFloat));
   at::Tensor fresh;
   unsigned* u = persistent_counter(xr, &fresh);
@@ -497,6 +401,44 @@ Finalize range_finalize(at::Tensor& clip_val, at::Tensor& shift, at::Tensor& ite
                   static_cast<float>(decay), static_cast<float>(one_minus_decay),
                   static_cast<float>((1u << bits) - 1u), static_cast<int>(range_mode), update,
                   mark_nonfinite};
+}
+
+// The range update and the codes of xr (readable in place) in one launch of
+// quantize_step_kernel, as many blocks as the work wants and the device holds at once; false
+// (nothing launched) where coop_capacity is 0.
+bool launch_quantize_step(const at::Tensor& xr, int64_t groups, int64_t inner, const float* mean,
+                          const float* rstd, int64_t rn_len, const Finalize& fin, int64_t bits,
+                          int64_t seed, bool stochastic, uint8_t* out, const HeadRows& hd) {
+  int64_t row_len = 0, row_stride = 0;
+  const at::Tensor x = readable(xr, inner, &row_len, &row_stride);  // (xr itself: no copy)
+  const int64_t n = x.numel();
+  TORCH_CHECK(groups <= 65535, "mesa quantize_step: at most 65535 groups on CUDA, got ", groups);
+  const ChunkPlan cp = chunk_plan(n, groups);
+  const int64_t per = 8 / bits;
+  const int64_t runs = (n + kQuantRun - 1) / kQuantRun;
+  const int64_t want = std::max<int64_t>(cp.chunks * groups, blocks_for(runs));
+  const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
+  bool launched = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_quantize_step_cuda", [&] {
+    with_index(extent_of(x, row_len, row_stride), [&](auto tag) {
+      using I = decltype(tag);
+      auto k = mean != nullptr ? &quantize_step_kernel<scalar_t, I, true>
+                               : &quantize_step_kernel<scalar_t, I, false>;
+      const int cap = coop_capacity(reinterpret_cast<const void*>(k), kThreads);
+      if (cap <= 0) return;
+      auto part = at::empty({3, groups, cp.chunks}, x.options().dtype(at::kFloat));
+      const DRows<scalar_t, I> rows{x.data_ptr<scalar_t>(), static_cast<I>(row_len),
+                                    static_cast<I>(row_stride)};
+      const QuantArgs<I> qa{out, static_cast<I>(n), static_cast<I>((n + per - 1) / per),
+                            static_cast<int>(bits), static_cast<uint64_t>(seed), stochastic, hd};
+      launch_cooperative(k, static_cast<int>(std::min<int64_t>(cap, want)), kThreads, rows, rn,
+                         static_cast<I>(groups), static_cast<I>(inner),
+                         static_cast<I>(cp.per_group), static_cast<I>(cp.chunk),
+                         static_cast<I>(cp.chunks), part.data_ptr<float>(), fin, qa);
+      launched = true;
+    });
+  });
+  return launched;
 }
 
 }  // namespace
@@ -648,8 +590,9 @@ int64_t generator_fingerprint_cuda(int64_t device) {
 #endif
 }
 
-// quantize_step_cpu's twin: the range update (minmax_kernel, finalized on the device) and the
-// packed codes with the exact prefix rows when a head is given (quantize_kernel): two launches. Returns (packed, step, shift, (4, G) rows); the
+// quantize_step_cpu's twin: the range update and the packed codes with the exact prefix rows
+// when a head is given, in one cooperative launch (quantize_step_kernel), or where there is none
+// (coop_capacity) in two (minmax_kernel, finalized on the device, then quantize_kernel). Returns (packed, step, shift, (4, G) rows); the
 // binding adds None where the CPU op returns its host "all finite" flag.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
@@ -675,13 +618,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
   // a layout the kernels cannot read in place is made contiguous once, for both launches
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
-  launch_minmax(xr, groups, inner, mean, rstd, rn_len,
-                range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
-                               range_mode, bits, update, mark_nonfinite));
+  const Finalize fin = range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
+                                      range_mode, bits, update, mark_nonfinite);
   auto packed = packed_for(xr, bits);
-  const float* r = rows.data_ptr<float>();
-  launch_quantize(xr, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
-                  packed.data_ptr<uint8_t>(), mean, rstd, rn_len, hd);
+  if (!launch_quantize_step(xr, groups, inner, mean, rstd, rn_len, fin, bits, seed, stochastic,
+                            packed.data_ptr<uint8_t>(), hd)) {
+    launch_minmax(xr, groups, inner, mean, rstd, rn_len, fin);
+    const float* r = rows.data_ptr<float>();
+    launch_quantize(xr, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
+                    packed.data_ptr<uint8_t>(), mean, rstd, rn_len, hd);
+  }
   return {packed, rows.select(0, 1), rows.select(0, 2), rows};
 }
 

@@ -15,9 +15,11 @@ the deferred non-finite check) run on the CPU machines we test on. Three pieces 
   tensors without a GPU. :func:`backward` walks the graph itself: each node is called once, in a
   topological order, with the sum of the gradients flowing into it, each reduced to and cast
   to the input's metadata (the engine's ``validate_outputs``), in no-grad mode (as the engine
-  runs a ``create_graph=False`` backward); ``AccumulateGrad`` nodes add into ``.grad``. Outside the
-  engine there is no graph task: Mesa's backward workspace is not used and final callbacks do not
-  run (fake flags are never queued).
+  runs a ``create_graph=False`` backward); ``AccumulateGrad`` nodes add into ``.grad``. As in the
+  engine, Mesa sees a graph task while it runs (``packed._graph_task_id``: its backward workspace
+  and the restored copies handed from one backward to the next, packed.Share, are used), and the
+  workspace's end-of-backward callback runs when it ends; no other final callback runs (fake
+  flags are never queued).
 
 :class:`HostSyncCounter` counts the ops that make the host wait for the device
 (``_local_scalar_dense`` behind ``.item()`` / ``bool()`` / ``float()``, and device-to-host copies).
@@ -135,13 +137,34 @@ def _topological(root) -> list:
     return order[::-1]  # every node before the nodes it feeds
 
 
+_FAKE_TASK = 1 << 40  # the graph task id Mesa sees during backward() (the engine's count from 0)
+
+
+@contextlib.contextmanager
+def _graph_task():
+    """What Mesa reads of the engine while :func:`backward` runs: a graph task id, and its
+    workspace armed for this task (the engine would run its queued clear at the end: run here)."""
+    from mesa_ops import packed
+
+    ws = packed._workspace()
+    ws.clear()
+    ws.armed, ws.task = True, _FAKE_TASK  # (no callback queued: there is no engine to run it)
+    saved = packed._graph_task_id
+    packed._graph_task_id = lambda: _FAKE_TASK
+    try:
+        yield
+    finally:
+        packed._graph_task_id = saved
+        ws.clear()
+
+
 def backward(loss: torch.Tensor, grad: torch.Tensor | None = None) -> None:
     """``loss.backward(grad)`` without the autograd engine (see the module docstring)."""
     root = loss.grad_fn
     grads = {root: [torch.ones_like(loss) if grad is None else grad]}
     if not hasattr(root, "_input_metadata"):
         raise TypeError("backward: the loss has no autograd graph")
-    with torch.no_grad():
+    with torch.no_grad(), _graph_task():
         for node in _topological(root):
             slots = grads.pop(node, None)
             if slots is None:
@@ -210,9 +233,10 @@ def counting_host_syncs():
 
 # Mesa's kernels on fake CUDA are backend._FakeKernels' methods (shapes only); the launches each
 # makes on a GPU (cuda/quant_cuda.cu; tests/test_cuda_emulation.py counts them on the emulated
-# kernels): quantize_step = minmax_kernel + quantize_kernel (the last-block counter persists, no
-# fill); group_minmax / range_update = minmax_kernel
-MESA_KERNEL_LAUNCHES = {"quantize_step": 2, "quantize": 1, "dequantize": 1, "dequantize_out": 1,
+# kernels): quantize_step = quantize_step_kernel, one cooperative launch (two, minmax_kernel +
+# quantize_kernel, only on a device without cooperative launches or while a CUDA graph is
+# captured); group_minmax / range_update = minmax_kernel
+MESA_KERNEL_LAUNCHES = {"quantize_step": 1, "quantize": 1, "dequantize": 1, "dequantize_out": 1,
                         "lut_apply_out": 1, "levels": 1, "group_minmax": 1, "range_update": 1}
 _NO_LAUNCH = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
               "_unsafe_view", "lift_fresh", "alias")  # allocations and aliases

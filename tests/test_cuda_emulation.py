@@ -51,6 +51,19 @@ def index64(request, emu):
     emu.set_index64(False)
 
 
+# quantize_step's launches: one cooperative launch of at most 3 blocks (the emulation's
+# default: chunks taken in turn, grid syncs across blocks), of 1 block, or none (minmax_kernel +
+# quantize_kernel, where a device or a CUDA-graph capture takes no cooperative launch)
+COOP = {"one-launch": 3, "one-block": 1, "two-launches": 0}
+
+
+@pytest.fixture(params=list(COOP))
+def coop(request, emu):
+    emu.set_coop_blocks(COOP[request.param])
+    yield COOP[request.param]
+    emu.set_coop_blocks(3)
+
+
 def _input(numel, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(numel, generator=g) * 3 + 0.5).to(dtype)
@@ -195,7 +208,7 @@ def test_nonfinite_and_overflowing_groups_are_flagged(emu, cpu):
 
 @pytest.mark.parametrize("mode", MODES, ids=reference.RANGE_MODES)
 @pytest.mark.parametrize("layout", ["q-of-qkv", "contiguous", "fp16"])
-def test_quantize_step_equals_cpu(emu, cpu, index64, layout, mode):
+def test_quantize_step_equals_cpu(emu, cpu, index64, coop, layout, mode):
     """The fused step (range update + codes, seeded from the draw counter): same codes, rows,
     state and counter as the CPU kernel, with an explicit prefix and with prefix_of_mix (the
     emulated device's generator is the CPU's); a NaN group is marked; nothing is flagged on
@@ -233,7 +246,7 @@ def test_quantize_step_equals_cpu(emu, cpu, index64, layout, mode):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("layout", ("strided", "contiguous"))
-def test_quantize_step_normalizes_rows_as_cpu(emu, cpu, index64, dtype, layout):
+def test_quantize_step_normalizes_rows_as_cpu(emu, cpu, index64, coop, dtype, layout):
     base = torch.randn(3, 23, 2 * 36, dtype=dtype) * 3 + 5
     x = base[..., :36] if layout == "strided" else base[..., :36].contiguous()
     var, mean = torch.var_mean(x.float(), dim=-1, correction=0, keepdim=True)
@@ -273,11 +286,12 @@ def test_runtime_self_check_passes_on_the_emulated_kernels(emu, dtype, bits):
     assert backend.self_check(be, torch.device("cpu"), dtype, bits) is None
 
 
-def test_launches_per_op_and_the_persistent_counter(emu, cpu):
-    """Kernel launches per op (issue 36): quantize_step 2 (min/max with its finalize, codes; the
+def test_launches_per_op_and_the_persistent_counter(emu, cpu, coop):
+    """Kernel launches per op (issue 36): quantize_step 1 (a cooperative launch: the range pass,
+    the finalize and the codes), or 2 without one (min/max with its finalize, codes; the
     last-block counter persists and is reset by the last block: no fill launch), range_update
-    and group_minmax 1, dequantize 1; back-to-back calls of many chunks each (the counter reused)
-    still equal the CPU kernels."""
+    and group_minmax 1, dequantize 1; back-to-back calls of many chunks each (300 chunks, taken
+    in turn by the cooperative grid; the counter reused) still equal the CPU kernels."""
     n, g, inner = MANY_CHUNKS["G=1,300-chunks"]
     x = _input(n, torch.float32, seed=5)
     sc, se = _state(g), _state(g)
@@ -285,7 +299,7 @@ def test_launches_per_op_and_the_persistent_counter(emu, cpu):
     for step in range(3):
         before = emu.launches()
         b = emu.quantize_step_cuda(x, g, inner, *se, 0.9, 0.1, reference.EMA, 8, True, 3, de, True, True)
-        assert emu.launches() - before == 2
+        assert emu.launches() - before == (1 if coop else 2)
         a = cpu.quantize_step_cpu(x, g, inner, *sc, 0.9, 0.1, reference.EMA, 8, True, 3, dc, True, True)
         assert torch.equal(b[0], a[0]) and torch.equal(b[4], a[4]), step
         x = x * 0.5
@@ -365,7 +379,7 @@ def test_prefix_rows_written_by_the_kernels_equal_cpu(emu, cpu, index64, case, d
 
 def test_prefix_rows_checks_and_launches(emu, cpu):
     """A head of the wrong shape, dtype or layout is refused by both builds; with a head each op
-    still launches as many kernels as without (quantize_step 2, dequantize_out 1, lut 1)."""
+    still launches as many kernels as without (quantize_step 1, dequantize_out 1, lut 1)."""
     x = torch.randn(2, 9, 16)
     args = (x, 2, 8, *_state(2), 0.9, 0.1, reference.UNION, 8, True, 3, torch.tensor([0]), True,
             False, False, None, None)
@@ -377,7 +391,7 @@ def test_prefix_rows_checks_and_launches(emu, cpu):
     head = torch.empty(2, 1, 16)
     before = emu.launches()
     packed, step, shift, _, _ = emu.quantize_step_cuda(*args, head)
-    assert emu.launches() - before == 2 and torch.equal(head, x[:, :1])
+    assert emu.launches() - before == 1 and torch.equal(head, x[:, :1])
     before = emu.launches()
     out = emu.dequantize_out_cuda(packed, step, shift, 8, 2, 8, torch.empty(x.numel()), head)
     table = emu.levels_cuda(step, shift, 8, torch.float32)
@@ -442,7 +456,7 @@ def test_runs_at_unaligned_offsets_and_odd_sizes_equal_cpu(emu, cpu, index64, dt
 
 
 @pytest.mark.parametrize("offset", (0, 1))
-def test_runs_across_many_chunks_per_group_equal_cpu(emu, cpu, index64, offset):
+def test_runs_across_many_chunks_per_group_equal_cpu(emu, cpu, index64, coop, offset):
     """Groups of 8195 elements (5 chunks each, inner not a multiple of a run), x at an aligned
     and a misaligned start: min/max, the range update, codes and restored values."""
     g, inner = 3, 4 * 2048 + 3

@@ -210,19 +210,23 @@ def test_mesa_train_step_on_fake_cuda_without_host_syncs(monkeypatch, fake_autog
 
 def test_launch_count_of_a_deit_tiny_step(monkeypatch, fake_autograd):
     """Kernel launches of a DeiT-Ti fp16 training step (batch 2, SGD; the second step), counted on
-    fake CUDA (tests/_fake_cuda.LaunchCounter), exact (flash attention) against Mesa 8-bit.
-    Measured (torch 2.14.1): exact 1160, Mesa 1672 (1.44x): 86 stored activations at 2 launches
-    each (min/max with its finalize, quantize), 110 dequantize (37 of them a GPU step does not
-    make: outside the autograd engine no workspace buffer is handed from a consumer's backward
-    to its producer's, packed.Share), 24 levels + 24 table launches, 24 GELU tables (GELU and
-    GELU'), 12 GELU / 12 GELU' of the exact prefix rows, the casts and, after each LayerNorm,
-    the restore of x (394 tokens, fewer than the 576 / 768 outputs) for the weight gradient.
-    The exact prefix rows cost no launch of their own: the quantize kernel copies them out, the
-    dequantize / table kernels write them back (before: 218 copies and 50 normalizations of the
-    LayerNorm rows, and a ones fill per GELU backward: 1976, 1.70x; before the persistent
-    last-block counter also a fill per stored activation: 2062, 1.78x; with the LayerNorm's
-    affine map folded into the weight gradient, a cast and two weight-sized passes: 1696, 1.46x).
-    Issue 36's target is 1.25x; the bound here guards against growth until then."""
+    fake CUDA (tests/_fake_cuda.LaunchCounter; the backward sees a graph task, as in the engine),
+    exact (flash attention) against Mesa 8-bit.
+    Measured (torch 2.14.1): exact 1160, Mesa 1490 (1.28x): 86 stored activations at one launch
+    each (quantize_step_kernel: range pass, finalize and codes in one cooperative launch), 74
+    dequantizes (a LayerNorm's x-hat and an SDPA output restored once for two backwards), 12
+    levels (shared by the GELU table and the GELU' table), 12 + 12 GELU / GELU' tables and 24
+    table restores, 12 GELU / 12 GELU' of the exact prefix rows, 24 restores of x after a
+    LayerNorm (one addcmul into the compute dtype: 394 tokens, fewer than the 576 / 768 outputs),
+    25 LayerNorm input gradients times rstd, and 49 casts of a Linear's weight to fp16 in its
+    backward (Mesa keeps no fp16 copy of the weights between forward and backward; exact's
+    autocast does). The exact prefix rows cost no launch of their own: the quantize kernel copies
+    them out, the dequantize / table kernels write them back.
+    History: 2062 (1.78x, a counter fill per stored activation), 1976 (1.70x, prefix-row copies),
+    1696 (1.46x, the affine map folded into the weight gradient), 1672 (1.44x, x restored for
+    the weight gradient), 1636 (the harness without a graph task counted 36 dequantizes a GPU
+    step does not make), 1588 (x restored in one op), 1576 (levels once per GELU), 1490 (one
+    launch per quantize_step). Issue 36's target is 1.25x; the bound here guards against growth."""
     monkeypatch.setattr(attn, "sdp_choice", _pytorch_like_choice(False))
     counts = {}
     for policy in (None, "configs/mesa/mesa_8bit.txt"):
@@ -245,7 +249,8 @@ def test_launch_count_of_a_deit_tiny_step(monkeypatch, fake_autograd):
           f"Mesa kernels {mesa.mesa}: " + ", ".join(f"{k} {v}" for k, v in sorted(mesa.by_op.items())
                                                     if k.startswith("mesa.")))
     assert exact.mesa == 0 and exact.by_op.get("_scaled_dot_product_flash_attention") == 12
-    assert mesa.by_op.get("mesa.quantize_step", 0) >= 2 * 12 * 6  # >= 6 stored per block
+    assert mesa.by_op.get("mesa.quantize_step", 0) >= 12 * 6  # >= 6 stored per block, 1 launch each
+    assert mesa.by_op.get("mesa.levels", 0) == 12 and mesa.by_op.get("addcmul", 0) == 24
     assert mesa.by_op.get("copy_", 0) == exact.by_op.get("copy_", 0)  # (no prefix-row copies)
     assert mesa.by_op.get("ones_like", 0) == exact.by_op.get("ones_like", 0)
-    assert mesa.total <= 1.45 * exact.total
+    assert mesa.total <= 1.29 * exact.total

@@ -53,7 +53,7 @@ class _Linear(torch.autograd.Function):
             if isinstance(xh, tuple) and g2.shape[0] < g2.shape[1]:  # fewer tokens than
                 # outputs (small batches): x = x-hat * a + c restored (tokens x in) costs less
                 # than the fold's two passes over the (out x in) gradient below
-                gw = _gw(g2, _affine(*xh), cdt)
+                gw = _gw(g2, _affine(*xh, cdt), cdt)
                 xh = xh[0]
             elif isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
                 # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
@@ -75,14 +75,19 @@ class _Linear(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
-def _affine(xh, a, c):
-    """x-hat * a + c along the last dim as a new tensor (``xh`` may be shared with the
-    LayerNorm's backward: never modified), in x-hat's dtype (float32 or wider), as
-    :meth:`~mesa_ops.packed.AffineQTensor.restore` computes it."""
-    x = xh if a is None else xh * as_dtype(a, xh.dtype)
-    if c is not None:
-        x = x + as_dtype(c, xh.dtype) if x is xh else x.add_(as_dtype(c, xh.dtype))
-    return x
+def _affine(xh, a, c, dtype):
+    """x-hat * a + c along the last dim as a new tensor of ``dtype`` (the Linear's compute
+    dtype; ``xh`` may be shared with the LayerNorm's backward: never modified): one op, computed
+    in x-hat's dtype (float32 or wider) and rounded once to ``dtype`` (issue 36: one launch where
+    the product, the sum and the cast were three)."""
+    if a is None and c is None:
+        return as_dtype(xh, dtype)
+    out = torch.empty(xh.shape, dtype=dtype, device=xh.device)
+    if c is None:
+        return torch.mul(xh, as_dtype(a, xh.dtype), out=out)
+    if a is None:
+        return torch.add(xh, as_dtype(c, xh.dtype), out=out)
+    return torch.addcmul(as_dtype(c, xh.dtype), xh, as_dtype(a, xh.dtype), out=out)
 
 
 def _colsum(g2):
