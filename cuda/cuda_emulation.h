@@ -138,7 +138,9 @@ inline void grid_sync() {
 }
 
 // A cooperative launch: body() as every thread of every block, all of them fibers at once (see
-// the file comment). Between grid syncs each block runs alone, its threads in rounds to their
+// the file comment). Between grid syncs each block runs alone (in turn, the order reversed
+// after each grid sync: a read of another block's write that a missing grid sync would race
+// reads the value before the write in one of the two orders), its threads in rounds to their
 // next __syncthreads, until every one of them waits at the grid sync or has returned; the grid
 // goes on once every thread of every block waits there. A block some of whose threads return
 // while others wait, or a grid sync that only some blocks reach, fails the launch (a GPU hangs).
@@ -167,9 +169,12 @@ inline void launch_cooperative(dim3 grid, dim3 block, const std::function<void()
     ctx[f].uc_link = &s.scheduler;
     makecontext(&ctx[f], fiber_main, 0);
   }
-  for (;;) {
+  for (unsigned phase = 0;; ++phase) {
     unsigned blocks_done = 0;
-    for (unsigned b = 0; b < nblocks; ++b) {
+    // blocks in ascending order in even phases, descending in odd ones: what block 0 writes
+    // before a grid sync is read by the others only after it, whatever side of it they run
+    for (unsigned i = 0; i < nblocks; ++i) {
+      const unsigned b = phase % 2 == 0 ? i : nblocks - 1 - i;
       s.block_idx = dim3(b % grid.x, (b / grid.x) % grid.y, b / (grid.x * grid.y));
       const size_t first = static_cast<size_t>(b) * nthreads;
       for (;;) {  // rounds: every running thread of the block to its next barrier or its end

@@ -405,7 +405,7 @@ Finalize range_finalize(at::Tensor& clip_val, at::Tensor& shift, at::Tensor& ite
 
 // The range update and the codes of xr (readable in place) in one launch of
 // quantize_step_kernel, as many blocks as the work wants and the device holds at once; false
-// (nothing launched) where coop_capacity is 0.
+// (nothing launched) where coop_capacity is 0 or the driver refuses the launch.
 bool launch_quantize_step(const at::Tensor& xr, int64_t groups, int64_t inner, const float* mean,
                           const float* rstd, int64_t rn_len, const Finalize& fin, int64_t bits,
                           int64_t seed, bool stochastic, uint8_t* out, const HeadRows& hd) {
@@ -427,15 +427,17 @@ bool launch_quantize_step(const at::Tensor& xr, int64_t groups, int64_t inner, c
       const int cap = coop_capacity(reinterpret_cast<const void*>(k), kThreads);
       if (cap <= 0) return;
       auto part = at::empty({3, groups, cp.chunks}, x.options().dtype(at::kFloat));
+#if defined(MESA_CUDA_EMULATION)
+      part.fill_(std::numeric_limits<float>::quiet_NaN());  // (a read before its write shows)
+#endif
       const DRows<scalar_t, I> rows{x.data_ptr<scalar_t>(), static_cast<I>(row_len),
                                     static_cast<I>(row_stride)};
       const QuantArgs<I> qa{out, static_cast<I>(n), static_cast<I>((n + per - 1) / per),
                             static_cast<int>(bits), static_cast<uint64_t>(seed), stochastic, hd};
-      launch_cooperative(k, static_cast<int>(std::min<int64_t>(cap, want)), kThreads, rows, rn,
-                         static_cast<I>(groups), static_cast<I>(inner),
-                         static_cast<I>(cp.per_group), static_cast<I>(cp.chunk),
-                         static_cast<I>(cp.chunks), part.data_ptr<float>(), fin, qa);
-      launched = true;
+      launched = launch_cooperative(k, static_cast<int>(std::min<int64_t>(cap, want)), kThreads,
+                                    rows, rn, static_cast<I>(groups), static_cast<I>(inner),
+                                    static_cast<I>(cp.per_group), static_cast<I>(cp.chunk),
+                                    static_cast<I>(cp.chunks), part.data_ptr<float>(), fin, qa);
     });
   });
   return launched;
@@ -615,6 +617,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
                              update)
                  : 0;
   auto rows = at::empty({4, groups}, x.options().dtype(at::kFloat));
+#if defined(MESA_CUDA_EMULATION)
+  rows.fill_(std::numeric_limits<float>::quiet_NaN());  // (a read before its write shows)
+#endif
   // a layout the kernels cannot read in place is made contiguous once, for both launches
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);

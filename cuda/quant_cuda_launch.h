@@ -42,10 +42,28 @@ unsigned* persistent_counter(const at::Tensor& like, at::Tensor* fresh) {
 #endif
 }
 
+#if !defined(MESA_CUDA_EMULATION)
+using CoopKey = std::tuple<const void*, int, int>;  // (kernel, device, threads)
+std::mutex& coop_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<CoopKey, int>& coop_cache() {
+  static auto* cache = new std::map<CoopKey, int>();
+  return *cache;
+}
+// The driver refused a cooperative launch of `kernel` on the current device: none from now on.
+void coop_refused(const void* kernel, int threads) {
+  std::lock_guard<std::mutex> lock(coop_mutex());
+  coop_cache()[CoopKey{kernel, static_cast<int>(c10::cuda::current_device()), threads}] = 0;
+}
+#endif
+
 // The most blocks of `kernel` the current device runs at once (every block resident: what a
-// cooperative launch needs), cached per (kernel, device); 0 where there is no cooperative launch:
-// a device without it, or a stream being captured into a CUDA graph (the two launches are
-// captured instead). Emulated: mesa_emu::state().coop_blocks.
+// cooperative launch needs), cached per (kernel, device, threads); 0 where there is no
+// cooperative launch: a device without it or that refused one (coop_refused), or a stream being
+// captured into a CUDA graph (the two launches are captured instead). Emulated:
+// mesa_emu::state().coop_blocks.
 int coop_capacity(const void* kernel, int threads) {
 #if defined(MESA_CUDA_EMULATION)
   (void)kernel;
@@ -54,10 +72,9 @@ int coop_capacity(const void* kernel, int threads) {
 #else
   if (at::cuda::currentStreamCaptureStatus() != at::cuda::CaptureStatus::None) return 0;
   const int dev = static_cast<int>(c10::cuda::current_device());
-  static std::mutex mu;
-  static auto* cache = new std::map<std::tuple<const void*, int, int>, int>();
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(kernel, dev, threads);
+  std::lock_guard<std::mutex> lock(coop_mutex());
+  auto* cache = &coop_cache();
+  const CoopKey key{kernel, dev, threads};
   auto it = cache->find(key);
   if (it != cache->end()) return it->second;
   int coop = 0, per_sm = 0;
@@ -72,20 +89,33 @@ int coop_capacity(const void* kernel, int threads) {
 
 // kernel<<<blocks, threads>>>(args...) as a cooperative launch on the current stream: the
 // arguments converted to the kernel's parameter types first (the launch copies them by those).
+// False, nothing launched and no error left pending, where the driver refuses the cooperative
+// launch itself (a grid too large for what this context may use, e.g. under MPS limits, or no
+// support): the capacity of `kernel` is then 0 for the rest of the process and the caller takes
+// its other path. Any other error throws.
 template <typename... KArgs, typename... Args>
-void launch_cooperative(void (*kernel)(KArgs...), int blocks, int threads, Args&&... args) {
+bool launch_cooperative(void (*kernel)(KArgs...), int blocks, int threads, Args&&... args) {
 #if defined(MESA_CUDA_EMULATION)
   mesa_emu::launch_cooperative(dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)),
                                [&]() { kernel(args...); });
+  return true;
 #else
   std::tuple<KArgs...> held(std::forward<Args>(args)...);
+  cudaError_t err = cudaSuccess;
   std::apply([&](auto&... a) {
     void* ptrs[] = {static_cast<void*>(&a)...};
-    C10_CUDA_CHECK(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
-                                               dim3(static_cast<unsigned>(blocks)),
-                                               dim3(static_cast<unsigned>(threads)),
-                                               ptrs, 0, at::cuda::getCurrentCUDAStream()));
+    err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel),
+                                      dim3(static_cast<unsigned>(blocks)),
+                                      dim3(static_cast<unsigned>(threads)), ptrs, 0,
+                                      at::cuda::getCurrentCUDAStream());
   }, held);
+  if (err == cudaErrorCooperativeLaunchTooLarge || err == cudaErrorNotSupported) {
+    (void)cudaGetLastError();  // (clears it)
+    coop_refused(reinterpret_cast<const void*>(kernel), threads);
+    return false;
+  }
+  C10_CUDA_CHECK(err);
+  return true;
 #endif
 }
 

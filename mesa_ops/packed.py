@@ -177,18 +177,20 @@ class MappedQTensor(NamedTuple):
 def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     """(G, 2^bits): the values each group's codes dequantize to, in ``dtype`` (the kernel's
     one call on CPU, reference.levels elsewhere and while compiling). Read-only: in a backward
-    the result is kept on ``step`` for the next call with the same arguments (a GELU's backward
-    and the next Linear's both take the levels of the GELU's packed input: one launch)."""
+    the result is kept on ``step`` for the next call with the same arguments, neither tensor
+    modified since (a GELU's backward and the next Linear's both take the levels of the GELU's
+    packed input: one launch)."""
     if compiling():
         return reference.levels(step, shift, bits, dtype)
     memo = getattr(step, "_mesa_levels", None)
-    if memo is not None and memo[0] == bits and memo[1] == dtype and memo[2] is shift:
-        return memo[3]
+    key = (bits, dtype, id(shift), step._version, shift._version)
+    if memo is not None and memo[0] == key and memo[1] is shift:
+        return memo[2]
     be = kernel_for(get_backend(step), step, dtype, bits)
     kernel = getattr(be, "levels", None)
     lv = reference.levels(step, shift, bits, dtype) if kernel is None else kernel(step, shift, bits, dtype)
     if in_backward():  # (tensors of a finished graph: freed with it)
-        step._mesa_levels = (bits, dtype, shift, lv)
+        step._mesa_levels = (key, shift, lv)
     return lv
 
 

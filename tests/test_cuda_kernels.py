@@ -52,6 +52,38 @@ def test_cuda_quantize_step_equals_cpu(cuda_backend, cpp_backend, layout, dtype,
         assert int(dc) == int(dg) == 3
 
 
+@pytest.mark.parametrize("g", (1, 3))
+def test_cuda_quantize_step_many_pieces_and_graph_capture_equal_cpu(cuda_backend, cpp_backend, g):
+    """Issue 36: quantize_step is one cooperative launch (quantize_step_kernel). A tensor of more
+    (chunk, group) pieces than its grid holds at once (G = 1: 2048 chunks; G = 3: 3 x 682), so
+    that blocks take several in turn; and the same step captured into a CUDA graph and replayed
+    (where the two launches run: minmax_kernel + quantize_kernel). Codes, rows and state equal
+    the CPU kernel's in both."""
+    inner = 2048 * 2048 + 5 if g == 1 else 682 * 2048 + 3
+    x = _input(2 * g * inner, torch.float32)
+    x[len(x) // 2 + 11] = 30.0  # (the max in a middle piece)
+    args = (0.9, 0.1, reference.UNION, 8, True, 77)
+    cpu, gpu = _state(g), tuple(t.cuda() for t in _state(g))
+    dc, dg = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    xg = x.cuda()
+    for _ in range(2):
+        a = cpp_backend.quantize_step(x, g, inner, *cpu, *args, dc, True, False)
+        b = cuda_backend.quantize_step(xg, g, inner, *gpu, *args, dg, True, False)
+        assert torch.equal(b[0].cpu(), a[0]) and torch.equal(b[4].cpu(), a[4])
+        assert all(torch.equal(sb.cpu(), sa) for sa, sb in zip(cpu, gpu))
+        x, xg = x * 1.5, xg * 1.5
+    a = cpp_backend.quantize_step(x, g, inner, *cpu, *args, dc, True, False)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        b = cuda_backend.quantize_step(xg, g, inner, *gpu, *args, dg, True, False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(b[0].cpu(), a[0]) and torch.equal(b[4].cpu(), a[4])
+    assert all(torch.equal(sb.cpu(), sa) for sa, sb in zip(cpu, gpu))
+
+
 def test_cuda_fingerprint_python_equals_cpp():
     ext = backend.build_extension("cuda")
     for seed in (0, 1234):

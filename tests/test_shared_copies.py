@@ -166,3 +166,24 @@ def test_shared_copy_dequantized_once_for_both_backwards(case, monkeypatch):
     # two Linears on one norm: q and kv read the one restore; frozen fc1 restores nothing
     fewer = {"deit-block": 3, "norm-two-linears": 2, "frozen-fc1": 2}[case]
     assert n_each - n_share == fewer, (n_each, n_share)
+
+
+def test_levels_made_once_per_backward_for_the_same_arguments(monkeypatch):
+    """packed.levels in a backward keeps its result on ``step``: a second call with the same
+    step, shift, bits and dtype (a GELU's backward after the next Linear's) returns it without
+    a kernel call; another dtype, another shift or a shift modified in place since gives new
+    levels; outside a backward nothing is kept."""
+    from mesa_ops import packed
+
+    step, shift = torch.tensor([0.1, 0.2]), torch.tensor([-1.0, 0.5])
+    first = packed.levels(step, shift, 8, torch.float32)
+    assert packed.levels(step, shift, 8, torch.float32) is not first  # (not in a backward)
+    monkeypatch.setattr(packed, "in_backward", lambda: True)
+    lv = packed.levels(step, shift, 8, torch.float32)
+    assert torch.equal(lv, first) and packed.levels(step, shift, 8, torch.float32) is lv
+    assert packed.levels(step, shift, 8, torch.float64) is not lv
+    assert packed.levels(step, shift.clone(), 8, torch.float32) is not lv
+    lv = packed.levels(step, shift, 8, torch.float32)
+    shift.add_(1.0)
+    again = packed.levels(step, shift, 8, torch.float32)
+    assert again is not lv and torch.allclose(again, lv + 1.0)
