@@ -98,6 +98,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
         py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none(),
         py::arg("head") = py::none());
+  m.def("quantize_step_many_cuda",
+        [](const py::list& calls) {
+          std::vector<mesa::StepArgs> args;
+          for (const py::handle& h : calls) {
+            const py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+            TORCH_CHECK(t.size() == 19, "mesa quantize_step_many_cuda: each call is quantize_step_cuda's "
+                        "19 arguments, got ", t.size());
+            auto opt = [&](int i) {
+              return t[i].is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[i].cast<at::Tensor>());
+            };
+            args.push_back(mesa::StepArgs{
+                t[0].cast<at::Tensor>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(),
+                t[3].cast<at::Tensor>(), t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(),
+                t[6].cast<double>(), t[7].cast<double>(), t[8].cast<int64_t>(), t[9].cast<int64_t>(),
+                t[10].cast<bool>(), t[11].cast<int64_t>(), t[12].cast<at::Tensor>(), t[13].cast<bool>(),
+                t[14].cast<bool>(), t[15].cast<bool>(), opt(16), opt(17), opt(18)});
+          }
+          py::list out;
+          for (const auto& r : mesa::quantize_step_many_cuda(args))
+            out.append(py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r), py::none(), std::get<3>(r)));
+          return out;
+        },
+        "several quantize_step_cuda calls (each a tuple of its 19 arguments), in one launch where they "
+        "can share one (at most 3, one dtype): a list of their results");
+  m.def("dequantize_out_many_cuda",
+        [](const py::list& calls) {
+          std::vector<mesa::RestoreArgs> args;
+          for (const py::handle& h : calls) {
+            const py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+            TORCH_CHECK(t.size() == 8, "mesa dequantize_out_many_cuda: each call is dequantize_out_cuda's "
+                        "8 arguments, got ", t.size());
+            args.push_back(mesa::RestoreArgs{
+                t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), t[2].cast<at::Tensor>(),
+                t[3].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<at::Tensor>(),
+                t[7].is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[7].cast<at::Tensor>())});
+          }
+          return mesa::dequantize_out_many_cuda(args);
+        },
+        "several dequantize_out_cuda calls (each a tuple of its 8 arguments), in one launch where the "
+        "outs share a dtype (at most 3): the outs");
   m.def("generator_fingerprint_cuda", &mesa::generator_fingerprint_cuda,
         "CRC-32 of the 16-byte state of torch's default CUDA generator of a device");
 #else

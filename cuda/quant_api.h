@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
 
 namespace mesa {
 
@@ -287,6 +290,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
     const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cuda(int64_t device);
+
+// Several quantize_steps (each call's arguments those of quantize_step_cuda, in order), in one
+// launch where they can share one (the q, k and v of an attention: at most kMaxStepJobs of one
+// dtype, all with or all without row statistics); each call's result as quantize_step_cuda's.
+struct StepArgs {
+  at::Tensor x;
+  int64_t groups, inner;
+  at::Tensor clip_val, shift, iteration;
+  double decay, one_minus_decay;
+  int64_t range_mode, bits;
+  bool update;
+  int64_t seed_prefix;
+  at::Tensor draws;
+  bool stochastic, mark_nonfinite, prefix_of_mix;
+  std::optional<at::Tensor> row_mean, row_rstd, head;
+};
+constexpr int kMaxStepJobs = 3;
+std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> quantize_step_many_cuda(
+    const std::vector<StepArgs>& calls);
+// Several dequantize_outs (each call's arguments dequantize_out_cuda's), in one launch where
+// their outputs share a dtype (at most kMaxStepJobs); returns the outs.
+struct RestoreArgs {
+  at::Tensor packed, step, shift;
+  int64_t bits, groups, inner;
+  at::Tensor out;
+  std::optional<at::Tensor> head;
+};
+std::vector<at::Tensor> dequantize_out_many_cuda(const std::vector<RestoreArgs>& calls);
 #endif
 
 }  // namespace mesa

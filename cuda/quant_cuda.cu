@@ -30,9 +30,10 @@
 // kernels, bit for bit. Under MESA_CUDA_EMULATION vcopy checks alignment (a misaligned access
 // fails the launch), as a GPU would fault where x86 does not.
 //
-// quantize_step_cuda = quantize_step_kernel: the range pass, the finalize and the codes in one
-// cooperative launch (grid-wide syncs between them; issue 36), else minmax_kernel + quantize_kernel
-// (the last-block counter persists per stream). Index math is 32-bit wherever
+// quantize_step_cuda = quantize_step_kernel (quant_cuda_steps.cuh, included at the end): the
+// range pass, the finalize and the codes in one cooperative launch (grid-wide syncs between them;
+// issue 36), for up to 3 tensors at once (an attention's q, k, v), else minmax_kernel +
+// quantize_kernel (the last-block counter persists per stream). Index math is 32-bit wherever
 // the sizes allow. The same file compiles for the host under MESA_CUDA_EMULATION
 // (quant_cuda_emu.cpp, cuda_emulation.h), where the kernels run on CPU tensors: the tests check
 // these kernels against the CPU kernels without a GPU.
@@ -205,29 +206,6 @@ struct QuantArgs {
   bool stochastic;
   HeadRows hd;
 };
-
-// minmax_kernel + quantize_kernel in one cooperative launch (the grid fits on the device at
-// once): each block reduces chunks (c, g) = (v % chunks, v / chunks) for v = blockIdx.x,
-// + gridDim.x, ...; the grid syncs; block 0 finalizes the range into fin.rows; the grid syncs;
-// every block packs runs with those rows. The same partials, rows and codes as the two launches.
-template <typename T, typename I, bool NORM>
-__global__ void quantize_step_kernel(DRows<T, I> x, DNorm rn, I G, I inner, I per_group, I chunk,
-                                     I chunks, float* part, Finalize fin, QuantArgs<I> qa) {
-  __shared__ float s_lo[kThreads];
-  __shared__ float s_hi[kThreads];
-  __shared__ int s_bad[kThreads];
-  const cooperative_groups::grid_group grid = cooperative_groups::this_grid();
-  for (I v = blockIdx.x; v < chunks * G; v += gridDim.x) {
-    minmax_chunk<T, I, NORM>(x, rn, G, inner, per_group, chunk, v % chunks, v / chunks, chunks,
-                             part, s_lo, s_hi, s_bad);
-    __syncthreads();  // (thread 0 has read s_lo[0] / s_hi[0] / s_bad[0] before the next chunk)
-  }
-  grid.sync();
-  if (blockIdx.x == 0) finalize_ranges<I>(part, G, chunks, fin, s_lo, s_hi, s_bad);
-  grid.sync();
-  quantize_runs<T, I, NORM>(x, rn, qa.out, qa.n, qa.nbytes, qa.bits, inner, G, fin.rows,
-                            fin.rows + 2 * G, qa.seed, qa.stochastic, qa.hd);
-}
 
 // dequantize_kernel and lut_kernel: one restore loop (restore_runs, quant_cuda_vec.cuh), their
 // values from a Run.
@@ -403,46 +381,6 @@ Finalize range_finalize(at::Tensor& clip_val, at::Tensor& shift, at::Tensor& ite
                   mark_nonfinite};
 }
 
-// The range update and the codes of xr (readable in place) in one launch of
-// quantize_step_kernel, as many blocks as the work wants and the device holds at once; false
-// (nothing launched) where coop_capacity is 0 or the driver refuses the launch.
-bool launch_quantize_step(const at::Tensor& xr, int64_t groups, int64_t inner, const float* mean,
-                          const float* rstd, int64_t rn_len, const Finalize& fin, int64_t bits,
-                          int64_t seed, bool stochastic, uint8_t* out, const HeadRows& hd) {
-  int64_t row_len = 0, row_stride = 0;
-  const at::Tensor x = readable(xr, inner, &row_len, &row_stride);  // (xr itself: no copy)
-  const int64_t n = x.numel();
-  TORCH_CHECK(groups <= 65535, "mesa quantize_step: at most 65535 groups on CUDA, got ", groups);
-  const ChunkPlan cp = chunk_plan(n, groups);
-  const int64_t per = 8 / bits;
-  const int64_t runs = (n + kQuantRun - 1) / kQuantRun;
-  const int64_t want = std::max<int64_t>(cp.chunks * groups, blocks_for(runs));
-  const DNorm rn{mean, rstd, std::max<int64_t>(rn_len, 1)};
-  bool launched = false;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mesa_quantize_step_cuda", [&] {
-    with_index(extent_of(x, row_len, row_stride), [&](auto tag) {
-      using I = decltype(tag);
-      auto k = mean != nullptr ? &quantize_step_kernel<scalar_t, I, true>
-                               : &quantize_step_kernel<scalar_t, I, false>;
-      const int cap = coop_capacity(reinterpret_cast<const void*>(k), kThreads);
-      if (cap <= 0) return;
-      auto part = at::empty({3, groups, cp.chunks}, x.options().dtype(at::kFloat));
-#if defined(MESA_CUDA_EMULATION)
-      part.fill_(std::numeric_limits<float>::quiet_NaN());  // (a read before its write shows)
-#endif
-      const DRows<scalar_t, I> rows{x.data_ptr<scalar_t>(), static_cast<I>(row_len),
-                                    static_cast<I>(row_stride)};
-      const QuantArgs<I> qa{out, static_cast<I>(n), static_cast<I>((n + per - 1) / per),
-                            static_cast<int>(bits), static_cast<uint64_t>(seed), stochastic, hd};
-      launched = launch_cooperative(k, static_cast<int>(std::min<int64_t>(cap, want)), kThreads,
-                                    rows, rn, static_cast<I>(groups), static_cast<I>(inner),
-                                    static_cast<I>(cp.per_group), static_cast<I>(cp.chunk),
-                                    static_cast<I>(cp.chunks), part.data_ptr<float>(), fin, qa);
-    });
-  });
-  return launched;
-}
-
 }  // namespace
 
 at::Tensor quantize_cuda(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& shift,
@@ -592,48 +530,6 @@ int64_t generator_fingerprint_cuda(int64_t device) {
 #endif
 }
 
-// quantize_step_cpu's twin: the range update and the packed codes with the exact prefix rows
-// when a head is given, in one cooperative launch (quantize_step_kernel), or where there is none
-// (coop_capacity) in two (minmax_kernel, finalized on the device, then quantize_kernel). Returns (packed, step, shift, (4, G) rows); the
-// binding adds None where the CPU op returns its host "all finite" flag.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
-    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
-    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
-    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
-    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
-  check_device_input("quantize_step_cuda", x, groups, inner);
-  check_range_args("quantize_step", clip_val, shift, iteration, groups, range_mode, x.device());
-  check_bits("quantize_step", bits);
-  TORCH_CHECK(x.numel() > 0, "mesa quantize_step_cuda: x is empty");
-  const int64_t rn_len = row_norm_len("quantize_step_cuda", x, inner, row_mean, row_rstd);
-  const float* mean = rn_len > 0 ? row_mean->data_ptr<float>() : nullptr;
-  const float* rstd = rn_len > 0 ? row_rstd->data_ptr<float>() : nullptr;
-  const HeadRows hd = head_rows_of("quantize_step_cuda", head, x, rn_len > 0);
-  MESA_GUARD(x);
-  const int64_t seed =
-      stochastic ? draw_seed(draws, static_cast<uint64_t>(seed_prefix), prefix_of_mix,
-                             prefix_of_mix ? generator_fingerprint_cuda(x.device().index()) : 0,
-                             update)
-                 : 0;
-  auto rows = at::empty({4, groups}, x.options().dtype(at::kFloat));
-#if defined(MESA_CUDA_EMULATION)
-  rows.fill_(std::numeric_limits<float>::quiet_NaN());  // (a read before its write shows)
-#endif
-  // a layout the kernels cannot read in place is made contiguous once, for both launches
-  int64_t row_len = 0, row_stride = 0;
-  const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
-  const Finalize fin = range_finalize(clip_val, shift, iteration, rows, decay, one_minus_decay,
-                                      range_mode, bits, update, mark_nonfinite);
-  auto packed = packed_for(xr, bits);
-  if (!launch_quantize_step(xr, groups, inner, mean, rstd, rn_len, fin, bits, seed, stochastic,
-                            packed.data_ptr<uint8_t>(), hd)) {
-    launch_minmax(xr, groups, inner, mean, rstd, rn_len, fin);
-    const float* r = rows.data_ptr<float>();
-    launch_quantize(xr, r, r + 2 * groups, bits, groups, inner, seed, stochastic,
-                    packed.data_ptr<uint8_t>(), mean, rstd, rn_len, hd);
-  }
-  return {packed, rows.select(0, 1), rows.select(0, 2), rows};
-}
-
 }  // namespace mesa
+
+#include "quant_cuda_steps.cuh"  // (quantize_step_cuda and the ops of several calls)

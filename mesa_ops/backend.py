@@ -330,14 +330,25 @@ class _Extension:
         #   lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None) -> out:
         #     out = table[group][code] (* mul), head's rows as they are
         #   levels(step, shift, bits, dtype) -> (G, 2^bits) dequantized values (reference.levels)
+        #   quantize_step_many([quantize_step's arguments, ...]) -> [its results], in order;
+        #   dequantize_out_many([dequantize_out's arguments, ...]) -> [outs]: on CUDA one launch
+        #     where the calls can share one (the q, k, v of an attention: at most 3, one dtype)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
+        self.quantize_step_many = getattr(ext, f"quantize_step_many_{suffix}", None) or self._steps
+        self.dequantize_out_many = getattr(ext, f"dequantize_out_many_{suffix}", None) or self._restores
         self.lut_apply_out = getattr(ext, f"lut_apply_out_{suffix}")
         self.levels = getattr(ext, f"levels_{suffix}")
         self.has_quantize_step = self.has_dequantize_out = True
 
     def dequantize(self, packed, step, shift, bits, groups, inner, numel, dtype):
         return self._d(packed, step, shift, bits, groups, inner, numel, dtype)
+
+    def _steps(self, calls):  # (the CPU kernels: a call each)
+        return [self.quantize_step(*c) for c in calls]
+
+    def _restores(self, calls):
+        return [self.dequantize_out(*c) for c in calls]
 
 
 def _new_empty(t, shape, dtype):
@@ -372,6 +383,14 @@ class _FakeKernels:
     def quantize_step(x, groups, inner, *args, **kwargs):
         rows = _new_empty(x, (4, groups), torch.float32)
         return _FakeKernels.quantize(x, None, None, args[6], groups, inner, 0), rows[1], rows[2], None, rows
+
+    @staticmethod
+    def quantize_step_many(calls):
+        return [_FakeKernels.quantize_step(*c) for c in calls]
+
+    @staticmethod
+    def dequantize_out_many(calls):
+        return [_FakeKernels.dequantize_out(*c) for c in calls]
 
     @staticmethod
     def dequantize_out(packed, step, shift, bits, groups, inner, out, head=None):

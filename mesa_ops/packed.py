@@ -69,25 +69,55 @@ class QTensor(NamedTuple):
         packed, step, shift = tensors[0], tensors[1], tensors[2]
         head = tensors[3] if len(tensors) > 3 else None
         shape, dtype, bits, groups, inner, transposed = meta
-        numel = shape.numel()
         be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
         if be is None or not be.has_dequantize_out:
             return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
-                                                    numel, dtype), shape, transposed), head)
-        # reuse workspace buffers only in a backward that records no graph (create_graph=False)
-        ws = not torch.is_grad_enabled() and _graph_task_id() != -1
-        flat, buf = (_workspace().acquire(numel, dtype, packed.device) if ws
-                     else (torch.empty(numel, dtype=dtype, device=packed.device), None))
-        # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
-        kh = head if head is not None and not transposed and head.dtype == dtype else None
-        be.dequantize_out(packed, step, shift, bits, groups, inner, flat, kh)
-        out = _shaped(flat, shape, transposed)
-        if ws and not transposed:
-            out._mesa_ws = buf
-        return out if kh is not None else with_head(out, head)
+                                                    shape.numel(), dtype), shape, transposed), head)
+        call, done = _restore_call(tensors, meta)
+        be.dequantize_out(*call)
+        return _restored(done)
+
+    @staticmethod
+    def restore_many(items) -> list:
+        """:meth:`restore` of each (tensors, meta), in one kernel call where their backend has
+        one for several (on CUDA one launch for the q, k, v of an attention)."""
+        bes = [None if compiling() else kernel_for(get_backend(t[0]), t[0], m[1], m[2])
+               for t, m in items]
+        be = bes[0]
+        if (len(items) < 2 or getattr(be, "dequantize_out_many", None) is None
+                or any(b is not be for b in bes)):
+            return [QTensor.restore(t, m) for t, m in items]
+        calls, dones = zip(*(_restore_call(t, m) for t, m in items))
+        be.dequantize_out_many(list(calls))
+        return [_restored(d) for d in dones]
 
     def dequantize(self) -> torch.Tensor:
         return QTensor.restore(self.tensors(), self.meta())
+
+
+def _restore_call(tensors, meta):
+    """(the dequantize_out arguments that restore a QTensor's ``tensors``/``meta`` into a new
+    buffer, what :func:`_restored` makes of it)."""
+    packed, step, shift = tensors[0], tensors[1], tensors[2]
+    head = tensors[3] if len(tensors) > 3 else None
+    shape, dtype, bits, groups, inner, transposed = meta
+    numel = shape.numel()
+    # reuse workspace buffers only in a backward that records no graph (create_graph=False)
+    ws = not torch.is_grad_enabled() and _graph_task_id() != -1
+    flat, buf = (_workspace().acquire(numel, dtype, packed.device) if ws
+                 else (torch.empty(numel, dtype=dtype, device=packed.device), None))
+    # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
+    kh = head if head is not None and not transposed and head.dtype == dtype else None
+    return ((packed, step, shift, bits, groups, inner, flat, kh),
+            (flat, buf if ws and not transposed else None, shape, transposed, None if kh is not None else head))
+
+
+def _restored(done) -> torch.Tensor:
+    flat, buf, shape, transposed, head = done
+    out = _shaped(flat, shape, transposed)
+    if buf is not None:
+        out._mesa_ws = buf
+    return with_head(out, head)
 
 
 def with_head(out: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
@@ -555,17 +585,29 @@ def save_for_backward(ctx, *items) -> None:
     ctx.mesa_layout = layout
 
 
-def saved_tensors(ctx, split_affine: bool = False) -> list:
+def saved_tensors(ctx, split_affine: bool = False, together: int = 0) -> list:
     """The items given to :func:`save_for_backward`, packed copies restored. With
     ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
     bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
-    smaller tensor). An item shared with another backward (:class:`Share`) is restored once."""
+    smaller tensor). An item shared with another backward (:class:`Share`) is restored once.
+    The QTensors among the first ``together`` items (an attention's q, k, v) are restored by
+    one call (:meth:`QTensor.restore_many`)."""
     flat = ctx.saved_tensors
     nonfinite.on_backward()
     share = getattr(ctx, "mesa_share", None)
+    early = {}
+    if together:
+        many = [j for j, (kind, _, _, _) in enumerate(ctx.mesa_layout[:together])
+                if kind is QTensor and not (share is not None and j == share[0])]
+        if len(many) > 1:
+            lay = ctx.mesa_layout
+            early = dict(zip(many, QTensor.restore_many(
+                [(flat[lay[j][1]:lay[j][1] + lay[j][2]], lay[j][3]) for j in many])))
     out = []
     for j, (kind, i, n, meta) in enumerate(ctx.mesa_layout):
-        if kind is None:
+        if j in early:
+            out.append(early[j])
+        elif kind is None:
             out.append(None)
         elif kind is torch.Tensor:
             out.append(flat[i])

@@ -404,6 +404,12 @@ class QuantMixin:
     def _quantize_step(self, x: torch.Tensor, amp16: bool, norm, be, update: bool) -> QTensor:
         """The packed copy of ``x`` from one kernel call (range update and quantization), the
         call's arguments decided once per input layout (:meth:`_step_plan`)."""
+        args, info = self._step_call(x, amp16, norm, be, update)
+        return self._step_result(be.quantize_step(*args), info)
+
+    def _step_call(self, x: torch.Tensor, amp16: bool, norm, be, update: bool):
+        """(the arguments of :meth:`_quantize_step`'s kernel call, what :meth:`_step_result`
+        needs of them)."""
         key = _step_key(x, amp16, be, norm)
         plan = self.__dict__.get("_qplan")
         if plan is None or plan[0] != key:
@@ -419,15 +425,20 @@ class QuantMixin:
             head._mesa_head = True
         # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
         draws = self._draws_for(it)
-        packed, step, sh, finite, rows = be.quantize_step(
-            xs, g, inner, clip, shift, it, *rng, update,
-            ops.signed64(ops.salt_mix(salt)) if stochastic else 0, draws,
-            stochastic, mode == "skip", stochastic,
-            *((None, None) if norm is None else norm), head)
+        args = (xs, g, inner, clip, shift, it, *rng, update,
+                ops.signed64(ops.salt_mix(salt)) if stochastic else 0, draws,
+                stochastic, mode == "skip", stochastic,
+                *((None, None) if norm is None else norm), head)
+        return args, (xs, it, draws, mode, x.shape, dtype, rng[3], g, inner, transposed, head)
+
+    def _step_result(self, result, info) -> QTensor:
+        """The QTensor of a :meth:`_step_call`'s kernel result (and its bookkeeping)."""
+        packed, step, sh, finite, rows = result
+        xs, it, draws, mode, shape, dtype, bits, g, inner, transposed, head = info
         self.__dict__["_it_seen"] = (it, it._version, draws, draws._version)  # (_seen_iteration)
         if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
             ops.report_nonfinite(rows[3], finite, mode, self, xs)
-        return QTensor(packed, step, sh, x.shape, dtype, rng[3], g, inner, transposed, head)
+        return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed, head)
 
     def _quantize_general(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         """Range update (all-reduced across ranks with ``dist_sync``) and quantization as two
@@ -503,6 +514,34 @@ _REENTRANT_BACKWARD = "CheckpointFunctionBackward"
 
 
 _UNSET = object()
+
+
+def quantize_many(pairs, amp16: bool = False) -> list:
+    """:meth:`QuantMixin.quantize` of each (quantizer, x) in ``pairs``, in order; the kernel calls
+    of those that take the one-call path on one backend made together (on CUDA one launch for
+    the q, k, v of an attention: ``quantize_step_many``). The results are those of the calls one
+    after the other (each quantizer has its own state and draw counter)."""
+    if compiling() or len(pairs) < 2:
+        return [q.quantize(x, amp16) for q, x in pairs]
+    with torch.no_grad():
+        out = [None] * len(pairs)
+        calls, infos, be0 = [], [], None
+        update = _updates_range()
+        for i, (q, x) in enumerate(pairs):
+            be = kernel_for(get_backend(x), x, x.dtype, q._bits)
+            if (not getattr(be, "has_quantize_step", False) or (be0 is not None and be is not be0)
+                    or (update and q.dist_sync and ops.dist_world() > 1)):
+                out[i] = q.quantize(x, amp16)  # (the general path, or another backend)
+                continue
+            be0 = be
+            args, info = q._step_call(x, amp16, None, be, update)
+            calls.append(args)
+            infos.append((i, q, info))
+        results = (be0.quantize_step_many(calls) if len(calls) > 1
+                   else [be0.quantize_step(*c) for c in calls])
+        for (i, q, info), res in zip(infos, results):
+            out[i] = q._with_prefix(q._step_result(res, info), pairs[i][1], None)
+        return out
 
 
 def _step_key(x: torch.Tensor, amp16: bool, be, norm) -> tuple:

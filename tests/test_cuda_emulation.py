@@ -504,3 +504,75 @@ def test_aligned_runs_take_the_wide_accesses(emu, cpu, dtype):
     assert wide(emu.dequantize_out_cuda, p, step, shift, 8, g, inner, out[1:])[0] == n // 8
     table = emu.levels_cuda(step, shift, 8, dtype)
     assert wide(emu.lut_apply_out_cuda, p, table, 8, g, inner, out[:n], xa)[0] == n // 8 * (1 + size)
+
+
+def _qkv_calls(dtype, g=4, heads_p=1, seed=0):
+    """quantize_step calls of q, k and v read in place from one fused (2, 29, 3 * 32) qkv (G
+    head groups each, the first row kept exactly), each with a state and draw counter of its
+    own, and their CPU twins (contiguous copies, own states)."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(2, 29, 3 * 32, generator=gen) * 3).to(dtype)
+    emu_calls, cpu_calls = [], []
+    for i, bits in enumerate((8, 4, 8)):
+        x = qkv[..., 32 * i:32 * (i + 1)]
+        for calls, xx in ((emu_calls, x), (cpu_calls, x.contiguous())):
+            head = torch.empty(2, heads_p, 32, dtype=dtype)
+            calls.append((xx, g, 32 // g, *_state(g), 0.9, 0.1, reference.UNION, bits, True,
+                          ops.signed64(ops.seed_prefix(7 + i)), torch.tensor([3 + i]), True, True,
+                          False, None, None, head))
+    return emu_calls, cpu_calls
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=lambda d: str(d).replace("torch.", ""))
+def test_quantize_step_many_is_one_launch_equal_to_the_calls_in_turn(emu, cpu, index64, coop, dtype):
+    """Issue 36: quantize_step_many_cuda runs the q, k, v of an attention (each its own state,
+    counter, bits and prefix rows) in one launch (one cooperative launch of quantize_step_kernel;
+    without cooperative launches two per call), and every result, state and counter equals the
+    CPU kernel's calls one after the other, over two steps; dequantize_out_many_cuda restores
+    the three in one launch, equal to dequantize_out_cpu of each."""
+    emu_calls, cpu_calls = _qkv_calls(dtype)
+    for step in range(2):
+        before = emu.launches()
+        got = emu.quantize_step_many_cuda(emu_calls)
+        assert emu.launches() - before == (1 if coop else 6)
+        want = [cpu.quantize_step_cpu(*c) for c in cpu_calls]
+        for i, (b, a, ce, cc) in enumerate(zip(got, want, emu_calls, cpu_calls)):
+            assert torch.equal(b[0], a[0]) and torch.equal(b[4], a[4]), (step, i)
+            assert torch.equal(ce[18], cc[18]) and torch.equal(ce[18], cc[0][:, :1]), (step, i)
+            for s1, s2 in zip(ce[3:6] + (ce[12],), cc[3:6] + (cc[12],)):
+                assert torch.equal(s1, s2), (step, i)
+    n = emu_calls[0][0].numel()
+    restore = [(b[0], b[1], b[2], c[9], c[1], c[2], torch.full((n,), float("nan"), dtype=dtype), c[18])
+               for b, c in zip(got, emu_calls)]
+    before = emu.launches()
+    outs = emu.dequantize_out_many_cuda(restore)
+    assert emu.launches() - before == 1
+    for out, args in zip(outs, restore):
+        want = cpu.dequantize_out_cpu(*args[:6], torch.empty(n, dtype=dtype), args[7])
+        assert torch.equal(out, want)
+
+
+def test_many_ops_fall_back_to_one_call_at_a_time(emu, cpu):
+    """Calls that cannot share a launch still give each call's result: a state shared by two
+    calls (the second finalize must see the first's update), mixed dtypes, more than 3 calls."""
+    emu_calls, cpu_calls = _qkv_calls(torch.float32)
+    shared = list(emu_calls[1][3:6])
+    cshared = list(cpu_calls[1][3:6])
+    emu_calls[2] = emu_calls[2][:3] + tuple(shared) + emu_calls[2][6:]
+    cpu_calls[2] = cpu_calls[2][:3] + tuple(cshared) + cpu_calls[2][6:]
+    half, chalf = _qkv_calls(torch.float16, seed=1)
+    for ecalls, ccalls, launches in ((emu_calls, cpu_calls, 3), (emu_calls[:2] + half[:1], cpu_calls[:2] + chalf[:1], 3),
+                                     (emu_calls + half[:1], cpu_calls + chalf[:1], 4)):
+        before = emu.launches()
+        got = emu.quantize_step_many_cuda(ecalls)
+        assert emu.launches() - before == launches
+        for b, c in zip(got, ccalls):
+            a = cpu.quantize_step_cpu(*c)
+            assert torch.equal(b[0], a[0]) and torch.equal(b[4], a[4])
+    restore = [(b[0], b[1], b[2], c[9], c[1], c[2], torch.empty(c[0].numel(), dtype=c[0].dtype), None)
+               for b, c in zip(got, emu_calls + half[:1])]
+    before = emu.launches()
+    emu.dequantize_out_many_cuda(restore)
+    assert emu.launches() - before == 4
+    with pytest.raises(RuntimeError, match="19 arguments"):
+        emu.quantize_step_many_cuda([emu_calls[0][:5]])

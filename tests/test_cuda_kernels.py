@@ -84,6 +84,35 @@ def test_cuda_quantize_step_many_pieces_and_graph_capture_equal_cpu(cuda_backend
     assert all(torch.equal(sb.cpu(), sa) for sa, sb in zip(cpu, gpu))
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=lambda d: str(d).replace("torch.", ""))
+def test_cuda_quantize_step_many_equals_cpu_calls(cuda_backend, cpp_backend, dtype):
+    """Issue 36: an attention's q, k and v (read in place from one fused qkv, each with its own
+    state, counter, bits and exact first row) quantized in one launch and restored in one equal
+    the CPU kernel's calls one after the other, over two steps."""
+    qkv = (torch.randn(4, 197, 3 * 192) * 3).to(dtype)
+    calls = {}
+    for dev in ("cpu", "cuda"):
+        src = qkv.to(dev)
+        calls[dev] = [(src[..., 192 * i:192 * (i + 1)], 3, 64, *(t.to(dev) for t in _state(3)), 0.9,
+                       0.1, reference.UNION, bits, True, 1000 + i, torch.tensor([i]), True, False,
+                       False, None, None, torch.empty(4, 1, 192, dtype=dtype, device=dev))
+                      for i, bits in enumerate((8, 4, 8))]
+    for _ in range(2):
+        got = cuda_backend.quantize_step_many(calls["cuda"])
+        want = [cpp_backend.quantize_step(*c) for c in calls["cpu"]]
+        for b, a, cg, cc in zip(got, want, calls["cuda"], calls["cpu"]):
+            assert torch.equal(b[0].cpu(), a[0]) and torch.equal(b[4].cpu(), a[4])
+            assert torch.equal(cg[18].cpu(), cc[18])
+            assert all(torch.equal(sg.cpu(), sc) for sg, sc in zip(cg[3:6], cc[3:6]))
+    n = qkv.numel() // 3
+    outs = cuda_backend.dequantize_out_many(
+        [(b[0], b[1], b[2], c[9], 3, 64, torch.empty(n, dtype=dtype, device="cuda"), c[18])
+         for b, c in zip(got, calls["cuda"])])
+    for out, a, c in zip(outs, want, calls["cpu"]):
+        ref = cpp_backend.dequantize_out(a[0], a[1], a[2], c[9], 3, 64, torch.empty(n, dtype=dtype), c[18])
+        assert torch.equal(out.cpu(), ref)
+
+
 def test_cuda_fingerprint_python_equals_cpp():
     ext = backend.build_extension("cuda")
     for seed in (0, 1234):

@@ -31,6 +31,7 @@ import torch
 from ..amp import as_dtype, fp16_autocast, no_autocast
 from ..packed import (attach_saved, compiling, hand_on, once_differentiable, output_copy, release,
                       save_for_backward, saved_tensors)
+from ..quant import quantize_many
 
 aten = torch.ops.aten
 # torch's SDPBackend numbering (torch.nn.attention.SDPBackend)
@@ -90,6 +91,13 @@ def _pack(quant, x4: torch.Tensor, amp16: bool):
     """Head-wise packed copy of (B, H, L, D) ``x4`` (its (B, L, H*D) layout, H groups of D), or
     ``x4`` itself when this quantizer is off."""
     return quant.quantize(token_layout(x4), amp16) if quant.enable else x4
+
+
+def _pack_all(pairs, amp16: bool) -> list:
+    """:func:`_pack` of each (quantizer, (B, H, L, D) tensor), the enabled quantizers' kernel
+    calls made together (:func:`~mesa_ops.quant.quantize_many`: on CUDA one launch for q, k, v)."""
+    packed = iter(quantize_many([(qu, token_layout(x4)) for qu, x4 in pairs if qu.enable], amp16))
+    return [next(packed) if qu.enable else x4 for qu, x4 in pairs]
 
 
 def _unpack(item, heads: int):
@@ -174,8 +182,8 @@ class _SDPA(torch.autograd.Function):
         qo = _pack(mod.quant_o, out, amp16) if keep_out else None
         if ctx.recompute:
             lse, extra = None, ()
-        save_for_backward(ctx, _pack(mod.quant_q, qc, amp16), _pack(mod.quant_k, kc, amp16),
-                          _pack(mod.quant_v, vc, amp16), qo, lse, bias, window_mask, *extra)
+        save_for_backward(ctx, *_pack_all(((mod.quant_q, qc), (mod.quant_k, kc), (mod.quant_v, vc)), amp16),
+                          qo, lse, bias, window_mask, *extra)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
@@ -187,7 +195,7 @@ class _SDPA(torch.autograd.Function):
     def backward(ctx, gy, *unused):
         if gy is None:  # (out_packed: grads are not materialized, the output took no gradient)
             return (None,) * 12
-        items = saved_tensors(ctx)
+        items = saved_tensors(ctx, together=3)  # (q, k, v restored by one call)
         qh, kh, vh, oh = (None if t is None else _unpack(t, ctx.heads) for t in items[:4])
         lse, bias, window_mask = items[4:7]
         extra = items[7:]
