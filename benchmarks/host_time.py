@@ -19,7 +19,7 @@ DeiT-Ti step stores ~86, so at small batches it bounds the step time from below.
 :func:`measure_model` times a whole training step (SGD) of a model at batch 1 on a 32 x 32 image
 (DeiT-Ti: 5 tokens, so the Mesa kernels cost little and the exact step is mostly its weight
 GEMMs), exact and Mesa 8-bit stepped in turn, and divides the difference by the number of
-stored activations (the quantizer calls of one Mesa step).
+stored activations (the packed copies one Mesa step makes).
 """
 from __future__ import annotations
 
@@ -97,17 +97,19 @@ def measure_model(model: str = "deit_tiny_patch16_224", steps: int = 40, warmup:
     steppers = {mode: _setup(Config(model=model, mode=mode, batch=1, input_size=32))[3]
                 for mode in ("exact", "mesa8")}
     calls = [0]
-    original = quant.QuantMixin.quantize
+    # (every stored activation passes QuantMixin._with_prefix once, whether it was quantized
+    # alone or with others: quant.quantize_many)
+    original = quant.QuantMixin._with_prefix
 
     def counted(self, *args, **kwargs):
         calls[0] += 1
         return original(self, *args, **kwargs)
 
-    quant.QuantMixin.quantize = counted
+    quant.QuantMixin._with_prefix = counted
     try:
         steppers["mesa8"]()
     finally:
-        quant.QuantMixin.quantize = original
+        quant.QuantMixin._with_prefix = original
     times = time_in_turn(steppers, warmup, steps)
     return {"model": model, "exact": statistics.median(times["exact"]),
             "mesa8": statistics.median(times["mesa8"]), "stored": calls[0]}

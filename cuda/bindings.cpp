@@ -102,7 +102,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const py::list& calls) {
           std::vector<mesa::StepArgs> args;
           for (const py::handle& h : calls) {
-            const py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+            const py::sequence t = h.cast<py::sequence>();
             TORCH_CHECK(t.size() == 19, "mesa quantize_step_many_cuda: each call is quantize_step_cuda's "
                         "19 arguments, got ", t.size());
             auto opt = [&](int i) {
@@ -126,7 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const py::list& calls) {
           std::vector<mesa::RestoreArgs> args;
           for (const py::handle& h : calls) {
-            const py::tuple t = py::reinterpret_borrow<py::tuple>(h);
+            const py::sequence t = h.cast<py::sequence>();
             TORCH_CHECK(t.size() == 8, "mesa dequantize_out_many_cuda: each call is dequantize_out_cuda's "
                         "8 arguments, got ", t.size());
             args.push_back(mesa::RestoreArgs{

@@ -208,21 +208,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_step_cuda(
 }
 
 // The steps in the order given (each draw counter advanced as by calls one after the other):
-// one launch for all where they share a dtype and row normalization, number at most
+// one launch for all where they share a device, a dtype and row normalization, number at most
 // kMaxStepJobs and update no running state in common; else one step (or two launches) at a time.
 std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> quantize_step_many_cuda(
     const std::vector<StepArgs>& calls) {
   TORCH_CHECK(!calls.empty(), "mesa quantize_step_many: no calls");
-  MESA_GUARD(calls[0].x);
   std::vector<PreparedStep> ps;
   ps.reserve(calls.size());
   bool together = calls.size() <= static_cast<size_t>(kMaxStepJobs);
   for (size_t j = 0; j < calls.size(); ++j) {
     const StepArgs& c = calls[j];
-    TORCH_CHECK(c.x.device() == calls[0].x.device(),
-                "mesa quantize_step_many: every x must be on one device");
-    ps.push_back(prepare_step(c));
-    together = together && c.x.scalar_type() == calls[0].x.scalar_type() &&
+    ps.push_back(prepare_step(c));  // (checks x first: a CPU x is named as such)
+    together = together && c.x.device() == calls[0].x.device() &&
+               c.x.scalar_type() == calls[0].x.scalar_type() &&
                (ps.back().mean != nullptr) == (ps[0].mean != nullptr);
     for (size_t i = 0; i < j; ++i)  // (two finalizes of one state would race)
       together = together && calls[i].clip_val.data_ptr() != c.clip_val.data_ptr() &&
@@ -231,9 +229,16 @@ std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> quantize
   }
   std::vector<PreparedStep*> all;
   for (PreparedStep& p : ps) all.push_back(&p);
-  if (!(together && launch_quantize_steps(all))) {
-    for (PreparedStep& p : ps)
+  bool done = false;
+  if (together) {
+    MESA_GUARD(calls[0].x);
+    done = launch_quantize_steps(all);
+  }
+  if (!done) {
+    for (PreparedStep& p : ps) {
+      MESA_GUARD(p.xr);
       if (!launch_quantize_steps({&p})) launch_two(p);
+    }
   }
   std::vector<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>> out;
   for (PreparedStep& p : ps) out.emplace_back(p.packed, p.rows.select(0, 1), p.rows.select(0, 2), p.rows);

@@ -130,3 +130,37 @@ def test_settings_changed_after_a_step_take_effect():
     fresh.iteration.zero_()
     fresh.update_quantization_parameter(by_index="all", quant_groups=4)
     assert fresh.quantize(x).groups == 4
+
+
+@pytest.mark.parametrize("backend_name", ("cpp", "torch"))
+def test_quantize_many_equals_the_calls_in_turn(monkeypatch, backend_name):
+    """quant.quantize_many (an attention's q, k, v) gives, over three steps, the packed copies
+    (codes, scales, exact prefix rows), running states and draw counters that QuantMixin.quantize
+    of each gives in turn: 8 and 4 bits, head-wise groups, a strided q read in place, a prefix
+    row kept exactly; on the C++ kernels (one call for all) and on the reference (a call each)."""
+    import copy
+
+    from mesa_ops import quant
+
+    monkeypatch.setenv("MESA_BACKEND", backend_name)
+    qs = []
+    for i, bits in enumerate((8, 4, 8)):
+        q = Quantizer(quant_groups=3, enable=True, bits=bits)
+        q.group_dim = "last"
+        q.layer_name = f"attn.q{i}"
+        q.prefix_tokens = 1
+        qs.append(q.train())
+    twins = copy.deepcopy(qs)
+    torch.manual_seed(0)
+    for step in range(3):
+        qkv = torch.randn(2, 9, 3 * 24) * (1 + step)
+        xs = [qkv[..., 24 * i:24 * (i + 1)] for i in range(3)]
+        got = quant.quantize_many(list(zip(qs, xs)))
+        want = [q.quantize(x) for q, x in zip(twins, xs)]
+        for a, b, x in zip(got, want, xs):
+            assert torch.equal(a.packed, b.packed) and torch.equal(a.step, b.step)
+            assert torch.equal(a.shift, b.shift) and torch.equal(a.head, b.head)
+            assert a.head.shape == (2, 1, 24) and torch.equal(a.head, x[:, :1])
+        for q, t in zip(qs, twins):
+            for k, v in q.state_dict().items():
+                assert torch.equal(v, t.state_dict()[k]), (step, k)
