@@ -337,6 +337,9 @@ class _Extension:
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
         self.quantize_step_many = getattr(ext, f"quantize_step_many_{suffix}", None) or self._steps
         self.dequantize_out_many = getattr(ext, f"dequantize_out_many_{suffix}", None) or self._restores
+        # (several calls in one launch: the CUDA kernels; the CPU ones take a call each, which
+        # the layers then make themselves, without the batching's bookkeeping)
+        self.has_many = hasattr(ext, f"quantize_step_many_{suffix}")
         self.lut_apply_out = getattr(ext, f"lut_apply_out_{suffix}")
         self.levels = getattr(ext, f"levels_{suffix}")
         self.has_quantize_step = self.has_dequantize_out = True
@@ -360,7 +363,7 @@ class _FakeKernels:
     device, nothing computed (in-place state updates are no-ops), no host flag (as on CUDA)."""
 
     name = "fake"
-    has_quantize_step = has_dequantize_out = True
+    has_quantize_step = has_dequantize_out = has_many = True
 
     @staticmethod
     def quantize(x, inv, shift, bits, groups, inner, seed, stochastic=True):

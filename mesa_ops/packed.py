@@ -84,8 +84,7 @@ class QTensor(NamedTuple):
         bes = [None if compiling() else kernel_for(get_backend(t[0]), t[0], m[1], m[2])
                for t, m in items]
         be = bes[0]
-        if (len(items) < 2 or getattr(be, "dequantize_out_many", None) is None
-                or any(b is not be for b in bes)):
+        if len(items) < 2 or not getattr(be, "has_many", False) or any(b is not be for b in bes):
             return [QTensor.restore(t, m) for t, m in items]
         calls, dones = zip(*(_restore_call(t, m) for t, m in items))
         be.dequantize_out_many(list(calls))

@@ -530,7 +530,7 @@ def quantize_many(pairs, amp16: bool = False) -> list:
         update = _updates_range()
         for i, (q, x) in enumerate(pairs):
             be = kernel_for(get_backend(x), x, x.dtype, q._bits)
-            if (not getattr(be, "has_quantize_step", False) or (be0 is not None and be is not be0)
+            if (not getattr(be, "has_many", False) or (be0 is not None and be is not be0)
                     or (update and q.dist_sync and ops.dist_world() > 1)):
                 out[i] = q.quantize(x, amp16)  # (the general path, or another backend)
                 continue

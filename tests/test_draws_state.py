@@ -132,17 +132,24 @@ def test_settings_changed_after_a_step_take_effect():
     assert fresh.quantize(x).groups == 4
 
 
-@pytest.mark.parametrize("backend_name", ("cpp", "torch"))
+@pytest.mark.parametrize("backend_name", ("emu", "cpp", "torch"))
 def test_quantize_many_equals_the_calls_in_turn(monkeypatch, backend_name):
     """quant.quantize_many (an attention's q, k, v) gives, over three steps, the packed copies
     (codes, scales, exact prefix rows), running states and draw counters that QuantMixin.quantize
     of each gives in turn: 8 and 4 bits, head-wise groups, a strided q read in place, a prefix
-    row kept exactly; on the C++ kernels (one call for all) and on the reference (a call each)."""
+    row kept exactly; on the emulated CUDA kernels (the three in one launch: counted), the C++
+    kernels and the reference (a call each)."""
     import copy
 
-    from mesa_ops import quant
+    from mesa_ops import backend, quant
 
-    monkeypatch.setenv("MESA_BACKEND", backend_name)
+    emu = None
+    if backend_name == "emu":  # (the CUDA backend's methods over the emulated kernels)
+        emu = backend.build_extension("emu")
+        be = backend._Extension(emu, "cuda")
+        monkeypatch.setattr(quant, "kernel_for", lambda *a: be)
+    else:
+        monkeypatch.setenv("MESA_BACKEND", backend_name)
     qs = []
     for i, bits in enumerate((8, 4, 8)):
         q = Quantizer(quant_groups=3, enable=True, bits=bits)
@@ -155,7 +162,10 @@ def test_quantize_many_equals_the_calls_in_turn(monkeypatch, backend_name):
     for step in range(3):
         qkv = torch.randn(2, 9, 3 * 24) * (1 + step)
         xs = [qkv[..., 24 * i:24 * (i + 1)] for i in range(3)]
+        before = emu.launches() if emu else 0
         got = quant.quantize_many(list(zip(qs, xs)))
+        if emu:
+            assert emu.launches() - before == 1
         want = [q.quantize(x) for q, x in zip(twins, xs)]
         for a, b, x in zip(got, want, xs):
             assert torch.equal(a.packed, b.packed) and torch.equal(a.step, b.step)
