@@ -231,7 +231,7 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     ``head``: the result's first rows along dim -2 (the exact prefix rows, shaped
     ``result.narrow(-2, 0, P)``), written over them as they are (by the kernel where it can);
     a QTensor's own ``head`` (a 4th tensor) is ignored: only the caller knows f of it."""
-    packed, step, shift = tensors[0], tensors[1], tensors[2]
+    packed = tensors[0]
     shape, dtype, bits, groups, inner, transposed = meta
     if transposed:
         raise ValueError("mesa apply_table: a transposed packed copy has no table path")
