@@ -89,7 +89,8 @@ def paper_table(rows: list[dict]) -> str:
 
 def self_check_all(device: str = "cuda", printer=print) -> int:
     """:func:`mesa_ops.backend.self_check` of the CUDA kernels for every dtype x bits on
-    ``device``; returns the number of cases that differ from the reference."""
+    ``device``, and :func:`~mesa_ops.backend.self_check_many` (three calls in one launch against
+    one at a time); returns the number of cases that differ."""
     import torch
 
     from mesa_ops import backend
@@ -101,6 +102,11 @@ def self_check_all(device: str = "cuda", printer=print) -> int:
             problem = backend.self_check(be, torch.device(device), dt, bits)
             printer(f"{str(dt):16s} {bits} bits: {problem or 'identical to the reference'}")
             bad += problem is not None
+            if getattr(be, "has_many", False):
+                many = backend.self_check_many(be, torch.device(device), dt, bits)
+                printer(f"{str(dt):16s} {bits} bits, 3 in one launch: "
+                        f"{many or 'identical to one at a time'}")
+                bad += many is not None
     return bad
 
 

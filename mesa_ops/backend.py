@@ -11,7 +11,9 @@ and flags, and it is compiled from a copy of them in its own build folder, so ch
 same commit share one build and different commits never overwrite each other's.
 
 On CUDA each (dtype, bits) a run quantizes is first checked once on the device against the
-reference (:func:`kernel_for`): a kernel that disagrees is never used to train.
+reference (:func:`kernel_for`): a kernel that disagrees is never used to train; the launch that
+takes several calls at once (an attention's q, k and v) is checked against the calls one at a
+time, and where it disagrees the layers make one call per tensor.
 Fake tensors (``torch._subclasses.fake_tensor``: CUDA tensors without a GPU, meta tensors) get
 :class:`_FakeKernels`, which give every kernel's output shapes and dtypes and compute nothing, so
 the Python side of any device's path can run, be traced and be checked for host syncs.
@@ -495,7 +497,14 @@ def kernel_for(be, t: torch.Tensor, dtype: torch.dtype, bits: int):
 def _checked(be, device, dtype, bits):
     problem = self_check(be, device, dtype, bits)
     if problem is None:
-        return be
+        many = self_check_many(be, device, dtype, bits) if getattr(be, "has_many", False) else None
+        if many is None:
+            return be
+        warnings.warn(f"mesa_ops: the CUDA kernels' several calls in one launch disagree with the "
+                      f"same calls made one at a time for {dtype} at {bits} bits ({many}); that "
+                      "case makes one call per tensor for the rest of the run", RuntimeWarning,
+                      stacklevel=4)
+        return _OneCallEach(be)
     if forced_backend() == "cuda":
         raise BackendUnavailable(f"MESA_BACKEND=cuda but the CUDA kernel fails its self-check for "
                                  f"{dtype} at {bits} bits: {problem}")
@@ -505,13 +514,23 @@ def _checked(be, device, dtype, bits):
     return _REFERENCE
 
 
-def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
-    """Quantize, dequantize and restore through a table a small tensor (odd sizes, three groups,
-    a strided view, an outlier beyond the running range; its first row along dim -2 kept
-    exactly) and a long one (one group of 13 chunks,
-    whose range the CUDA kernel's last block reduces with the whole block) by the kernels of
-    ``be`` and by the reference on ``device``; returns None when every result is identical, else
-    what differs."""
+class _OneCallEach:
+    """``be`` without its several-calls-in-one-launch path (``has_many`` False: the layers make
+    one kernel call per tensor), for a case whose :func:`self_check_many` failed."""
+
+    has_many = False
+
+    def __init__(self, be):
+        self._be = be
+
+    def __getattr__(self, name):
+        return getattr(self._be, name)
+
+
+def _self_check_cases(device, dtype):
+    """(name, x, groups, inner) of the self-check: a small tensor (odd sizes, three groups, an
+    outlier beyond the running range), a row-strided view of it (two groups), and a long one (one
+    group of 13 chunks, whose range the CUDA kernel's last block reduces with the whole block)."""
     gen = torch.Generator().manual_seed(1234)
     base = (torch.randn(2, 7, 3 * 40, generator=gen) * 2 + 0.25)
     base[0, 3, 5] = 40.0  # beyond the running range below: the range rule is exercised
@@ -519,21 +538,39 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
     long = (torch.randn(12 * 2048 + 7, generator=gen) * 2 - 0.5)
     long[9000] = 35.0  # (the max in a middle chunk)
     long = long.to(device=device, dtype=dtype)
+    return (("contiguous", full, 3, 40), ("row-strided", full[..., :80], 2, 40),
+            ("many-chunk", long, 1, long.numel()))
+
+
+_CHECK_PREFIX = 0x5EED_1234_ABCD  # the draw stream's prefix of the self-check's quantizations
+
+
+def _check_step_call(x, g, inner, bits, device):
+    """(quantize_step's arguments for one self-check case: a running range of 3 / -1.5, the
+    draw counter at 5, its first row along dim -2 kept exactly where x has one; the state
+    tensors it updates)."""
+    st = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
+          torch.ones(1, device=device)]
+    draws = torch.full((1,), 5, dtype=torch.int64)
+    head = x.narrow(-2, 0, 1).contiguous() if x.dim() >= 3 else None
+    hout = None if head is None else torch.empty_like(head)
+    return ((x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, _CHECK_PREFIX, draws, True,
+             False, False, None, None, hout), st + [draws])
+
+
+def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
+    """Quantize, dequantize and restore through a table the cases of :func:`_self_check_cases`
+    (each with its first row along dim -2 kept exactly, where it has one) by the kernels of
+    ``be`` and by the reference on ``device``; returns None when every result is identical, else
+    what differs."""
     problems = []
-    for name, x, g, inner in (("contiguous", full, 3, 40), ("row-strided", full[..., :80], 2, 40),
-                              ("many-chunk", long, 1, long.numel())):
-        st = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
-              torch.ones(1, device=device)]
-        st_ref = [s.clone() for s in st]
-        draws, draws_ref = torch.full((1,), 5, dtype=torch.int64), torch.full((1,), 5, dtype=torch.int64)
-        prefix = 0x5EED_1234_ABCD
-        # the first row along dim -2 kept exactly (QTensor.head), written by the kernels
-        head = x.narrow(-2, 0, 1).contiguous() if x.dim() >= 3 else None
-        hout = None if head is None else torch.empty_like(head)
-        packed, step, shift, _, rows = be.quantize_step(
-            x, g, inner, *st, 0.9, 0.1, reference.UNION, bits, True, prefix, draws, True, False,
-            False, None, None, hout)
-        seed = reference.splitmix64(prefix ^ 5) & ((1 << 62) - 1)
+    for name, x, g, inner in _self_check_cases(device, dtype):
+        call, state = _check_step_call(x, g, inner, bits, device)
+        st_ref = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
+                  torch.ones(1, device=device)]
+        head, hout = (x.narrow(-2, 0, 1).contiguous(), call[-1]) if x.dim() >= 3 else (None, None)
+        packed, step, shift, _, rows = be.quantize_step(*call)
+        seed = reference.splitmix64(_CHECK_PREFIX ^ 5) & ((1 << 62) - 1)
         rrows = reference.range_update(x.contiguous(), g, inner, *st_ref, 0.9, 0.1, reference.UNION,
                                        bits, True)
         rpacked = reference.quantize(x.contiguous(), rrows[0], rrows[2], bits, g, inner, seed, True)
@@ -542,7 +579,7 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
         rdeq = reference.dequantize(rpacked, rrows[1], rrows[2], bits, g, inner, n, dtype)
         table = reference.levels(rrows[1], rrows[2], bits, dtype)
         lut = be.lut_apply_out(rpacked, table, bits, g, inner, torch.empty(n, dtype=dtype, device=device))
-        checks = [("range rows", rows, rrows), ("running state", torch.cat(st), torch.cat(st_ref)),
+        checks = [("range rows", rows, rrows), ("running state", torch.cat(state[:3]), torch.cat(st_ref)),
                   ("codes", packed, rpacked), ("dequantized values", deq, rdeq),
                   ("table restore", lut, rdeq), ("levels", be.levels(rrows[1], rrows[2], bits, dtype), table)]
         if head is not None:
@@ -552,4 +589,31 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
                                     torch.empty(n, dtype=dtype, device=device), head)
             checks += [("exact rows", hout, head), ("restore with exact rows", got.view(x.shape), want)]
         problems += [f"{what} ({name} input)" for what, a, b in checks if not torch.equal(a, b)]
+    return ", ".join(problems) or None
+
+
+def self_check_many(be, device, dtype: torch.dtype, bits: int) -> str | None:
+    """The cases of :func:`_self_check_cases` quantized by one ``be.quantize_step_many`` call and
+    restored by one ``be.dequantize_out_many`` (on CUDA one launch each, as an attention's q, k
+    and v) against the same calls made one at a time (which :func:`self_check` compares with the
+    reference); returns None when every result is identical, else what differs."""
+    cases = _self_check_cases(device, dtype)
+    one = [_check_step_call(x, g, inner, bits, device) for _, x, g, inner in cases]
+    together = [_check_step_call(x, g, inner, bits, device) for _, x, g, inner in cases]
+    want = [be.quantize_step(*call) for call, _ in one]
+    got = be.quantize_step_many([call for call, _ in together])
+    problems = []
+    for (name, x, g, inner), (c1, s1), (c2, s2), w, r in zip(cases, one, together, want, got):
+        checks = [("codes", r[0], w[0]), ("range rows", r[4], w[4]),
+                  ("running state and draw counter", torch.cat([t.double().flatten() for t in s2]),
+                   torch.cat([t.double().flatten() for t in s1]))]
+        if c1[-1] is not None:
+            checks.append(("exact rows", c2[-1], c1[-1]))
+        problems += [f"{what} ({name} input)" for what, a, b in checks if not torch.equal(a, b)]
+    rest = [(w[0], w[1], w[2], bits, g, inner, torch.empty(x.numel(), dtype=dtype, device=device),
+             c1[-1]) for (_, x, g, inner), (c1, _), w in zip(cases, one, want)]
+    want_out = [be.dequantize_out(*c) for c in rest]
+    got_out = be.dequantize_out_many([c[:6] + (torch.empty_like(c[6]),) + c[7:] for c in rest])
+    problems += [f"restore ({name} input)" for (name, *_), a, b in zip(cases, got_out, want_out)
+                 if not torch.equal(a, b)]
     return ", ".join(problems) or None

@@ -279,11 +279,18 @@ def test_emulated_ops_check_their_arguments(emu):
 
 @pytest.mark.parametrize("bits", (8, 2))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16), ids=["float32", "float16"])
-def test_runtime_self_check_passes_on_the_emulated_kernels(emu, dtype, bits):
-    """backend.self_check, which a GPU run passes before its first quantize, run on the emulated
-    CUDA kernels: its long case takes the last block's whole-block reduction of many chunks."""
+def test_runtime_self_check_passes_on_the_emulated_kernels(emu, coop, dtype, bits):
+    """backend.self_check and self_check_many, which a GPU run passes before its first quantize,
+    run on the emulated CUDA kernels: the long case takes the last block's whole-block reduction
+    of many chunks; the three cases in one launch (and in one restore) equal them one at a time."""
     be = backend._Extension(emu, "cuda")
+    assert be.has_many
     assert backend.self_check(be, torch.device("cpu"), dtype, bits) is None
+    before = emu.launches()
+    assert backend.self_check_many(be, torch.device("cpu"), dtype, bits) is None
+    # the three calls one at a time, then in one launch (without a cooperative launch: two
+    # launches per call, as one at a time); the restores likewise (3 + 1)
+    assert emu.launches() - before == (3 + 1 if coop else 6 + 6) + 4
 
 
 def test_launches_per_op_and_the_persistent_counter(emu, cpu, coop):
@@ -576,3 +583,16 @@ def test_many_ops_fall_back_to_one_call_at_a_time(emu, cpu):
     assert emu.launches() - before == 4
     with pytest.raises(RuntimeError, match="19 arguments"):
         emu.quantize_step_many_cuda([emu_calls[0][:5]])
+
+
+def test_gpu_self_check_stage_on_the_emulated_kernels(emu, monkeypatch):
+    """scripts/cuda_check.sh's selfcheck stage (benchmarks.gpu.self_check_all: every dtype x
+    bits, one at a time against the reference and three in one launch against one at a time)
+    on the emulated CUDA kernels: no case differs, and both checks print a line per case."""
+    from benchmarks import gpu
+
+    be = backend._Extension(emu, "cuda")
+    monkeypatch.setattr(backend, "get_backend", lambda t, name=None: be)
+    lines = []
+    assert gpu.self_check_all("cpu", printer=lines.append) == 0
+    assert len(lines) == 24 and sum("3 in one launch: identical" in s for s in lines) == 12

@@ -126,6 +126,7 @@ def test_cuda_fingerprint_python_equals_cpp():
 @pytest.mark.parametrize("bits", (8, 4, 2))
 def test_cuda_self_check_passes(cuda_backend, dtype, bits):
     assert backend.self_check(cuda_backend, torch.device("cuda"), dtype, bits) is None
+    assert backend.self_check_many(cuda_backend, torch.device("cuda"), dtype, bits) is None
 
 
 @pytest.mark.parametrize("name,policy", [("deit_tiny_patch16_224", "mesa_8bit"),

@@ -400,3 +400,84 @@ def test_data_change_to_a_layernorm_output_is_not_seen_by_the_adopting_linear():
         else:
             assert rel_err(g_mesa, g) < 2e-2  # the gradient at the norm's own output
         del out
+
+
+class _Proxy:
+    """A backend that forwards to ``be`` except for the ops given (the self-check's view of a
+    kernel build: tests below break one op the way a faulty GPU kernel would)."""
+
+    def __init__(self, be, **ops):
+        self._be, self.__dict__["_ops"] = be, ops
+        self.name = "cuda"
+
+    def __getattr__(self, name):
+        ops = self.__dict__["_ops"]
+        return ops[name] if name in ops else getattr(self._be, name)
+
+
+def _one_call_each_ops(be, break_job=None):
+    """quantize_step_many / dequantize_out_many made of ``be``'s single calls; with break_job the
+    codes of that job come back with one byte changed (as a kernel that mixed up two jobs' ranges
+    or seeds would give)."""
+    def steps(calls):
+        out = [list(be.quantize_step(*c)) for c in calls]
+        if break_job is not None:
+            out[break_job][0] = out[break_job][0].clone()
+            out[break_job][0].view(-1)[3] += 1
+        return [tuple(o) for o in out]
+    return dict(has_many=True, quantize_step_many=steps,
+                dequantize_out_many=lambda calls: [be.dequantize_out(*c) for c in calls])
+
+
+def test_a_kernel_that_fails_its_self_check_is_never_used(cpp_backend, monkeypatch):
+    """backend.kernel_for's self-check (run once per device, dtype and bits before a CUDA kernel
+    quantizes anything), on the C++ kernels standing in for a CUDA build: it passes as they are;
+    with one code byte changed by quantize_step the case uses the reference after a warning
+    that names what differed, and raises where MESA_BACKEND=cuda demands the kernel."""
+    from mesa_ops import backend
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    assert backend.self_check(cpp_backend, torch.device("cpu"), torch.float32, 8) is None
+
+    def bad_step(*args):
+        out = list(cpp_backend.quantize_step(*args))
+        out[0] = out[0].clone()
+        out[0].view(-1)[0] ^= 1
+        return tuple(out)
+
+    bad = _Proxy(cpp_backend, quantize_step=bad_step)
+    with pytest.warns(RuntimeWarning, match=r"disagrees with the PyTorch reference.*codes"):
+        assert backend._checked(bad, torch.device("cpu"), torch.float32, 8) is backend._REFERENCE
+    monkeypatch.setenv("MESA_BACKEND", "cuda")
+    with pytest.raises(backend.BackendUnavailable, match="fails its self-check.*codes"):
+        backend._checked(bad, torch.device("cpu"), torch.float32, 8)
+
+
+@pytest.mark.parametrize("break_job", [None, 0, 2])
+def test_several_calls_in_one_launch_are_self_checked(cpp_backend, monkeypatch, break_job):
+    """The path that quantizes an attention's q, k and v in one CUDA launch has its own
+    self-check (backend.self_check_many: the self-check's three cases in one call against the
+    calls one at a time). Where it passes, the backend is used as it is; where one job's codes
+    differ, that case keeps the kernels but makes one call per tensor (has_many False), after a
+    warning, and quant.quantize_many then calls quantize_step per tensor."""
+    from mesa_ops import backend, quant
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    be = _Proxy(cpp_backend, **_one_call_each_ops(cpp_backend, break_job))
+    if break_job is None:
+        assert backend.self_check_many(be, torch.device("cpu"), torch.float32, 8) is None
+        assert backend._checked(be, torch.device("cpu"), torch.float32, 8) is be
+        return
+    case = ["contiguous", "row-strided", "many-chunk"][break_job]
+    with pytest.warns(RuntimeWarning, match=rf"several calls in one launch disagree.*codes \({case}"):
+        got = backend._checked(be, torch.device("cpu"), torch.float32, 8)
+    assert got is not be and got.has_many is False and got.quantize_step == cpp_backend.quantize_step
+    calls = []
+    ops = be.__dict__["_ops"]
+    ops["quantize_step_many"] = lambda c: pytest.fail("the failed path was used")
+    ops["quantize_step"] = lambda *a: calls.append(a[0].shape) or cpp_backend.quantize_step(*a)
+    monkeypatch.setattr(quant, "kernel_for", lambda *a: got)
+    qs = [ms.Quantizer(quant_groups=1, enable=True).train() for _ in range(3)]
+    xs = [torch.randn(2, 5, 8) for _ in range(3)]
+    out = quant.quantize_many(list(zip(qs, xs)))
+    assert len(calls) == 3 and all(o.packed.numel() == 80 for o in out)
