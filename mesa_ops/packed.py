@@ -81,10 +81,10 @@ class QTensor(NamedTuple):
     def restore_many(items) -> list:
         """:meth:`restore` of each (tensors, meta), in one kernel call where their backend has
         one for several (on CUDA one launch for the q, k, v of an attention)."""
-        bes = [None if compiling() else kernel_for(get_backend(t[0]), t[0], m[1], m[2])
-               for t, m in items]
-        be = bes[0]
-        if len(items) < 2 or not getattr(be, "has_many", False) or any(b is not be for b in bes):
+        be = (None if compiling() or len(items) < 2
+              else kernel_for(get_backend(items[0][0][0]), items[0][0][0], items[0][1][1], items[0][1][2]))
+        if not getattr(be, "has_many", False) or any(
+                kernel_for(get_backend(t[0]), t[0], m[1], m[2]) is not be for t, m in items[1:]):
             return [QTensor.restore(t, m) for t, m in items]
         calls, dones = zip(*(_restore_call(t, m) for t, m in items))
         be.dequantize_out_many(list(calls))

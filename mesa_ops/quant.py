@@ -522,7 +522,9 @@ def quantize_many(pairs, amp16: bool = False) -> list:
     the q, k, v of an attention: ``quantize_step_many``). The results, states and draw counters
     are those of the calls one after the other (each quantizer has its own; where one raises,
     e.g. nonfinite='raise' on the CPU, the others' states may have moved already)."""
-    if compiling() or len(pairs) < 2:
+    if (compiling() or len(pairs) < 2 or not getattr(
+            kernel_for(get_backend(pairs[0][1]), pairs[0][1], pairs[0][1].dtype, pairs[0][0]._bits),
+            "has_many", False)):  # (the CPU kernels: a call each, without the bookkeeping)
         return [q.quantize(x, amp16) for q, x in pairs]
     with torch.no_grad():
         out = [None] * len(pairs)
