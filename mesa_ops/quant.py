@@ -519,7 +519,8 @@ _UNSET = object()
 def quantize_many(pairs, amp16: bool = False) -> list:
     """:meth:`QuantMixin.quantize` of each (quantizer, x) in ``pairs``, in order; the kernel calls
     of those that take the one-call path on one backend made together (on CUDA one launch for
-    the q, k, v of an attention: ``quantize_step_many``). The results, states and draw counters
+    the q, k, v of an attention: ``quantize_step_many``; only where the first pair's backend has
+    that op: else one call each). The results, states and draw counters
     are those of the calls one after the other (each quantizer has its own; where one raises,
     e.g. nonfinite='raise' on the CPU, the others' states may have moved already)."""
     if (compiling() or len(pairs) < 2 or not getattr(

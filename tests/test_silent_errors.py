@@ -415,18 +415,29 @@ class _Proxy:
         return ops[name] if name in ops else getattr(self._be, name)
 
 
-def _one_call_each_ops(be, break_job=None):
-    """quantize_step_many / dequantize_out_many made of ``be``'s single calls; with break_job the
-    codes of that job come back with one byte changed (as a kernel that mixed up two jobs' ranges
-    or seeds would give)."""
+def _one_call_each_ops(be, broken=None):
+    """quantize_step_many / dequantize_out_many made of ``be``'s single calls; ``broken`` (what,
+    job) changes one thing of that job the way a kernel that mixed up two jobs would: a code
+    byte, its draw counter, a byte of its exact rows, a value it restores."""
+    what, job = broken or (None, None)
+
     def steps(calls):
         out = [list(be.quantize_step(*c)) for c in calls]
-        if break_job is not None:
-            out[break_job][0] = out[break_job][0].clone()
-            out[break_job][0].view(-1)[3] += 1
+        if what == "codes":
+            out[job][0] = out[job][0].clone()
+            out[job][0].view(-1)[3] += 1
+        elif what == "draw counter":
+            calls[job][12].add_(1)
+        elif what == "exact rows":
+            calls[job][-1].view(-1)[1] += 1
         return [tuple(o) for o in out]
-    return dict(has_many=True, quantize_step_many=steps,
-                dequantize_out_many=lambda calls: [be.dequantize_out(*c) for c in calls])
+
+    def restores(calls):
+        out = [be.dequantize_out(*c) for c in calls]
+        if what == "restore":
+            out[job].view(-1)[2] += 1
+        return out
+    return dict(has_many=True, quantize_step_many=steps, dequantize_out_many=restores)
 
 
 def test_a_kernel_that_fails_its_self_check_is_never_used(cpp_backend, monkeypatch):
@@ -453,23 +464,26 @@ def test_a_kernel_that_fails_its_self_check_is_never_used(cpp_backend, monkeypat
         backend._checked(bad, torch.device("cpu"), torch.float32, 8)
 
 
-@pytest.mark.parametrize("break_job", [None, 0, 2])
-def test_several_calls_in_one_launch_are_self_checked(cpp_backend, monkeypatch, break_job):
+@pytest.mark.parametrize("broken", [None, ("codes", 0), ("codes", 2), ("draw counter", 1),
+                                    ("exact rows", 1), ("restore", 2)], ids=str)
+def test_several_calls_in_one_launch_are_self_checked(cpp_backend, monkeypatch, broken):
     """The path that quantizes an attention's q, k and v in one CUDA launch has its own
     self-check (backend.self_check_many: the self-check's three cases in one call against the
     calls one at a time). Where it passes, the backend is used as it is; where one job's codes
-    differ, that case keeps the kernels but makes one call per tensor (has_many False), after a
-    warning, and quant.quantize_many then calls quantize_step per tensor."""
+    differ (codes, draw counter, exact rows or a restore of one job), that case keeps the kernels
+    but makes one call per tensor (has_many False), after a warning that names what differed and
+    where, and quant.quantize_many then calls quantize_step per tensor."""
     from mesa_ops import backend, quant
 
     monkeypatch.delenv("MESA_BACKEND", raising=False)
-    be = _Proxy(cpp_backend, **_one_call_each_ops(cpp_backend, break_job))
-    if break_job is None:
+    be = _Proxy(cpp_backend, **_one_call_each_ops(cpp_backend, broken))
+    if broken is None:
         assert backend.self_check_many(be, torch.device("cpu"), torch.float32, 8) is None
         assert backend._checked(be, torch.device("cpu"), torch.float32, 8) is be
         return
-    case = ["contiguous", "row-strided", "many-chunk"][break_job]
-    with pytest.warns(RuntimeWarning, match=rf"several calls in one launch disagree.*codes \({case}"):
+    what, job = broken
+    case = ["contiguous", "row-strided", "many-chunk"][job]
+    with pytest.warns(RuntimeWarning, match=rf"several calls in one launch disagree.*{what} \({case}"):
         got = backend._checked(be, torch.device("cpu"), torch.float32, 8)
     assert got is not be and got.has_many is False and got.quantize_step == cpp_backend.quantize_step
     calls = []
