@@ -8,6 +8,17 @@
 
 namespace {
 at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code); }
+
+// one call of a *_many op: a sequence of the single op's n arguments
+py::sequence call_args(const py::handle& h, size_t n, const char* many, const char* single) {
+  const py::sequence t = h.cast<py::sequence>();
+  TORCH_CHECK(t.size() == n, "mesa ", many, ": each call is ", single, "'s ", n, " arguments, got ", t.size());
+  return t;
+}
+
+std::optional<at::Tensor> opt_tensor(const py::handle& h) {
+  return h.is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(h.cast<at::Tensor>());
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -102,18 +113,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const py::list& calls) {
           std::vector<mesa::StepArgs> args;
           for (const py::handle& h : calls) {
-            const py::sequence t = h.cast<py::sequence>();
-            TORCH_CHECK(t.size() == 19, "mesa quantize_step_many_cuda: each call is quantize_step_cuda's "
-                        "19 arguments, got ", t.size());
-            auto opt = [&](int i) {
-              return t[i].is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[i].cast<at::Tensor>());
-            };
+            const py::sequence t = call_args(h, 19, "quantize_step_many_cuda", "quantize_step_cuda");
             args.push_back(mesa::StepArgs{
                 t[0].cast<at::Tensor>(), t[1].cast<int64_t>(), t[2].cast<int64_t>(),
                 t[3].cast<at::Tensor>(), t[4].cast<at::Tensor>(), t[5].cast<at::Tensor>(),
                 t[6].cast<double>(), t[7].cast<double>(), t[8].cast<int64_t>(), t[9].cast<int64_t>(),
                 t[10].cast<bool>(), t[11].cast<int64_t>(), t[12].cast<at::Tensor>(), t[13].cast<bool>(),
-                t[14].cast<bool>(), t[15].cast<bool>(), opt(16), opt(17), opt(18)});
+                t[14].cast<bool>(), t[15].cast<bool>(), opt_tensor(t[16]), opt_tensor(t[17]), opt_tensor(t[18])});
           }
           py::list out;
           for (const auto& r : mesa::quantize_step_many_cuda(args))
@@ -126,13 +132,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](const py::list& calls) {
           std::vector<mesa::RestoreArgs> args;
           for (const py::handle& h : calls) {
-            const py::sequence t = h.cast<py::sequence>();
-            TORCH_CHECK(t.size() == 8, "mesa dequantize_out_many_cuda: each call is dequantize_out_cuda's "
-                        "8 arguments, got ", t.size());
+            const py::sequence t = call_args(h, 8, "dequantize_out_many_cuda", "dequantize_out_cuda");
             args.push_back(mesa::RestoreArgs{
                 t[0].cast<at::Tensor>(), t[1].cast<at::Tensor>(), t[2].cast<at::Tensor>(),
                 t[3].cast<int64_t>(), t[4].cast<int64_t>(), t[5].cast<int64_t>(), t[6].cast<at::Tensor>(),
-                t[7].is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(t[7].cast<at::Tensor>())});
+                opt_tensor(t[7])});
           }
           return mesa::dequantize_out_many_cuda(args);
         },

@@ -545,13 +545,18 @@ def _self_check_cases(device, dtype):
 _CHECK_PREFIX = 0x5EED_1234_ABCD  # the draw stream's prefix of the self-check's quantizations
 
 
+def _check_state(g, device, i=0):
+    """A self-check case's running state: clip_val 3 + i, shift -1.5 - i, iteration 1."""
+    return [torch.full((g,), 3.0 + i, device=device), torch.full((g,), -1.5 - i, device=device),
+            torch.ones(1, device=device)]
+
+
 def _check_step_call(x, g, inner, bits, device, i=0):
     """(quantize_step's arguments for one self-check case: a running range of 3 / -1.5 and the
     draw counter at 5, each moved by ``i`` (so that several calls in one launch differ in both),
     its first row along dim -2 kept exactly where x has one; the state tensors it updates, the
     draw counter last, on the CPU)."""
-    st = [torch.full((g,), 3.0 + i, device=device), torch.full((g,), -1.5 - i, device=device),
-          torch.ones(1, device=device)]
+    st = _check_state(g, device, i)
     draws = torch.full((1,), 5 + i, dtype=torch.int64)
     head = x.narrow(-2, 0, 1).contiguous() if x.dim() >= 3 else None
     hout = None if head is None else torch.empty_like(head)
@@ -567,8 +572,7 @@ def self_check(be, device, dtype: torch.dtype, bits: int) -> str | None:
     problems = []
     for name, x, g, inner in _self_check_cases(device, dtype):
         call, state = _check_step_call(x, g, inner, bits, device)
-        st_ref = [torch.full((g,), 3.0, device=device), torch.full((g,), -1.5, device=device),
-                  torch.ones(1, device=device)]
+        st_ref = _check_state(g, device)
         head, hout = (x.narrow(-2, 0, 1).contiguous(), call[-1]) if x.dim() >= 3 else (None, None)
         packed, step, shift, _, rows = be.quantize_step(*call)
         seed = reference.splitmix64(_CHECK_PREFIX ^ 5) & ((1 << 62) - 1)

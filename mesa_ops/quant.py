@@ -523,21 +523,19 @@ def quantize_many(pairs, amp16: bool = False) -> list:
     that op: else one call each). The results, states and draw counters
     are those of the calls one after the other (each quantizer has its own; where one raises,
     e.g. nonfinite='raise' on the CPU, the others' states may have moved already)."""
-    if (compiling() or len(pairs) < 2 or not getattr(
-            kernel_for(get_backend(pairs[0][1]), pairs[0][1], pairs[0][1].dtype, pairs[0][0]._bits),
-            "has_many", False)):  # (the CPU kernels: a call each, without the bookkeeping)
+    be0 = None if compiling() or len(pairs) < 2 else kernel_for(
+        get_backend(pairs[0][1]), pairs[0][1], pairs[0][1].dtype, pairs[0][0]._bits)
+    if not getattr(be0, "has_many", False):  # (the CPU kernels: a call each, no bookkeeping)
         return [q.quantize(x, amp16) for q, x in pairs]
     with torch.no_grad():
         out = [None] * len(pairs)
-        calls, infos, be0 = [], [], None
+        calls, infos = [], []
         update = _updates_range()
         for i, (q, x) in enumerate(pairs):
-            be = kernel_for(get_backend(x), x, x.dtype, q._bits)
-            if (not getattr(be, "has_many", False) or (be0 is not None and be is not be0)
-                    or (update and q.dist_sync and ops.dist_world() > 1)):
+            be = be0 if i == 0 else kernel_for(get_backend(x), x, x.dtype, q._bits)
+            if be is not be0 or (update and q.dist_sync and ops.dist_world() > 1):
                 out[i] = q.quantize(x, amp16)  # (the general path, or another backend)
                 continue
-            be0 = be
             args, info = q._step_call(x, amp16, None, be, update)
             calls.append(args)
             infos.append((i, q, info))

@@ -74,11 +74,17 @@ def _decay(v):
     return x
 
 
-def _range_mode(v):
-    s = str(v).strip().strip("'\"")
-    if s not in RANGE_MODES:
-        raise ValueError(f"expected one of {', '.join(RANGE_MODES)}, got {v!r}")
-    return s
+def _one_of(choices):
+    """The parser of a setting that takes one of the strings ``choices`` (quoted or not)."""
+    def parse(v):
+        s = str(v).strip().strip("'\"")
+        if s not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}, got {v!r}")
+        return s
+    return parse
+
+
+_range_mode = _one_of(RANGE_MODES)
 
 
 def _pos_int(v):
@@ -95,11 +101,7 @@ def _nonneg_int(v):
     return n
 
 
-def _nonfinite(v):
-    s = str(v).strip().strip("'\"")
-    if s not in NONFINITE_MODES:
-        raise ValueError(f"expected one of {', '.join(NONFINITE_MODES)}, got {v!r}")
-    return s
+_nonfinite = _one_of(NONFINITE_MODES)
 
 
 KEYS = {"enable": _bool, "level": _level, "bits": _bits, "ema_decay": _decay,
