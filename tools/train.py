@@ -7,9 +7,15 @@
 
 See ``python tools/train.py --help`` and the package ``training``.
 """
+import os
 import sys
 
-import training
+# MKL's float32 GEMMs split their sums by the thread count (AVX-512 machines: other last bits with
+# 1 and 2 threads); in its strict reproducible mode they do not, so that a run's bits do not
+# depend on the thread count (docs/training.md). Read by MKL at its first call: set before any.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+import training  # noqa: E402
 
 
 def main(argv=None) -> None:

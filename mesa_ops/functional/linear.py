@@ -91,13 +91,10 @@ def _affine(xh, a, c, dtype):
 
 
 def _colsum(g2):
-    """g2.sum(0) of a (tokens, out) gradient: for a tall float32/64 g2 as the product ones @ g2,
-    which BLAS takes in one pass over rows (measured 75 -> 34 us for 12544 x 64, PVT's stage 1;
-    118 -> 71 us in a loop); torch's sum where rows are few for the width (DeiT-Ti's 788 x 576:
-    19 vs 29 us) and for other dtypes (float32 accumulation)."""
-    if (g2.dtype in WIDE_DTYPES and g2.shape[0] >= 16 * g2.shape[1]
-            and g2.is_contiguous()):
-        return g2.t().mv(g2.new_ones(g2.shape[0]))
+    """g2.sum(0) of a (tokens, out) gradient, by aten's reduction: its result does not depend on
+    the thread count. (A BLAS ones @ g2 was faster for tall float32 g2 -- 30 vs 72 us for
+    12544 x 64, PVT's stage 1 -- but the BLAS splits that product across threads on AVX-512
+    machines: other last bits with 1 and 2 threads, which tests/test_determinism.py forbids.)"""
     return g2.sum(0)
 
 
