@@ -9,6 +9,8 @@
 namespace {
 at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code); }
 
+at::ScalarType dtype_of(const py::object& dtype) { return torch::python::detail::py_object_to_dtype(dtype); }
+
 // one call of a *_many op: a sequence of the single op's n arguments
 py::sequence call_args(const py::handle& h, size_t n, const char* many, const char* single) {
   const py::sequence t = h.cast<py::sequence>();
@@ -33,6 +35,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantize into a contiguous CPU tensor (the exact prefix rows of head over its first rows)",
         py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
         py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
+  m.def("restore_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
+                          int64_t groups, int64_t inner, at::IntArrayRef shape, py::object dtype,
+                          const std::optional<at::Tensor>& head) {
+    at::Tensor out = at::empty(shape, p.options().dtype(torch::python::detail::py_object_to_dtype(dtype)));
+    return mesa::dequantize_out_cpu(p, st, sh, bits, groups, inner, out, head);
+  }, "dequantize into a new CPU tensor of the given shape and dtype (head: its exact prefix rows)",
+        py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
+        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none());
   m.def("lut_apply_out_cpu", &mesa::lut_apply_out_cpu,
         "out = table[group][code] (* mul): a function of a stored tensor through a per-group table",
         py::arg("packed"), py::arg("table"), py::arg("bits"), py::arg("groups"), py::arg("inner"),
@@ -52,6 +62,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
         py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none(),
         py::arg("head") = py::none());
+  // the layers' gradient math (any device; dtypes as torch.dtype objects, None where unused)
+  m.def("linear_backward", [](const at::Tensor& gy, const at::Tensor& x, const at::Tensor& w, bool affine,
+                              const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& c,
+                              bool need_x, bool need_w, bool need_b, py::object cdt, py::object x_dtype,
+                              py::object b_dtype) {
+    return mesa::linear_backward(gy, x, w, affine, a, c, need_x, need_w, need_b, dtype_of(cdt),
+                                 dtype_of(x_dtype), b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
+  }, "functional/linear.py's _Linear.backward after its restore: (gx, gw, gb)");
+  m.def("layer_norm_backward", [](const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
+                                  const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+                                  std::vector<int64_t> normalized_shape, py::object stats_dtype, bool need_x,
+                                  bool need_w, bool need_b, bool own_sums, py::object cdt, py::object x_dtype,
+                                  py::object w_dtype, py::object b_dtype) {
+    return mesa::layer_norm_backward(gy, xh, rstd, w, b, normalized_shape, dtype_of(stats_dtype), need_x,
+                                     need_w, need_b, own_sums, dtype_of(cdt), dtype_of(x_dtype),
+                                     w_dtype.is_none() ? at::kFloat : dtype_of(w_dtype),
+                                     b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
+  }, "functional/norm.py's _LayerNorm.backward after its restore: (gx, gw, gb)");
+  m.def("gelu_f64", [](const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
+                       py::object dtype) { return mesa::gelu_f64(x, grad, approximate, dtype_of(dtype)); },
+        "GELU of x (with grad: grad * GELU'(x)) computed in float64, rounded to dtype");
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA
@@ -79,6 +110,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantize into a contiguous CUDA tensor (the exact prefix rows of head over its first rows)",
         py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
         py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
+  m.def("restore_cuda", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
+                           int64_t groups, int64_t inner, at::IntArrayRef shape, py::object dtype,
+                           const std::optional<at::Tensor>& head) {
+    at::Tensor out = at::empty(shape, p.options().dtype(torch::python::detail::py_object_to_dtype(dtype)));
+    return mesa::dequantize_out_cuda(p, st, sh, bits, groups, inner, out, head);
+  }, "dequantize into a new tensor of the given shape and dtype on packed's device",
+        py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
+        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none());
   m.def("lut_apply_out_cuda", &mesa::lut_apply_out_cuda,
         "out = table[group][code] (* mul) on CUDA", py::arg("packed"), py::arg("table"),
         py::arg("bits"), py::arg("groups"), py::arg("inner"), py::arg("out"), py::arg("mul") = py::none(),

@@ -259,6 +259,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cpu();
 
+// The layers' gradient math, composites of ATen ops for any device (layer_grads.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
+    const at::Tensor& gy, const at::Tensor& x, const at::Tensor& weight, bool affine,
+    const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& c, bool need_x,
+    bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType b_dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
+    const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+    at::IntArrayRef normalized_shape, at::ScalarType stats_dtype, bool need_x, bool need_w,
+    bool need_b, bool own_sums, at::ScalarType cdt, at::ScalarType x_dtype,
+    at::ScalarType w_dtype, at::ScalarType b_dtype);
+at::Tensor gelu_f64(const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
+                    at::ScalarType dtype);
+
 #ifdef MESA_WITH_CUDA
 // The CUDA kernels (quant_cuda.cu): the CPU ops' twins, same arguments and results, for tensors
 // on one CUDA device (under MESA_CUDA_EMULATION: CPU tensors, the kernels run by the emulator of

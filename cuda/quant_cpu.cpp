@@ -207,20 +207,25 @@ void put_head(at::Tensor& out, const HeadRows& hr) {
 
 // The exact prefix rows of what quantize_step stores (x as it is, or with row statistics its
 // normalized x-hat in float32) into the head (head_source: element h holds x's element e).
+// A head row (C elements along x's last dim) lies in one readable row of x (its length is the
+// last dim or all of x) and in one row of the statistics (whole rows of the normalized dims):
+// one index computation per head row, none per element.
 void take_head(const at::Tensor& x, int64_t inner, const RowNorm& rn, const HeadRows& hr) {
   if (hr.p == nullptr) return;
   int64_t row_len = 0, row_stride = 0;
   const at::Tensor xr = readable(x, inner, &row_len, &row_stride);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_head_cpu", [&] {
     const scalar_t* p = xr.data_ptr<scalar_t>();
-    for (int64_t h = 0; h < hr.n; ++h) {
+    for (int64_t h = 0; h < hr.n; h += hr.C) {
       const int64_t e = head_source<int64_t>(h, hr.C, hr.N, hr.P);
-      const scalar_t v = p[(e / row_len) * row_stride + e % row_len];
-      if (rn.mean != nullptr)
-        static_cast<float*>(hr.p)[h] =
-            normalize_one(static_cast<float>(v), rn.mean[e / rn.len], rn.rstd[e / rn.len]);
-      else
-        static_cast<scalar_t*>(hr.p)[h] = v;
+      const scalar_t* src = p + (e / row_len) * row_stride + e % row_len;
+      if (rn.mean != nullptr) {
+        const float m = rn.mean[e / rn.len], r = rn.rstd[e / rn.len];
+        float* out = static_cast<float*>(hr.p) + h;
+        for (int64_t c = 0; c < hr.C; ++c) out[c] = normalize_one(static_cast<float>(src[c]), m, r);
+      } else {
+        std::memcpy(static_cast<scalar_t*>(hr.p) + h, src, hr.C * sizeof(scalar_t));
+      }
     }
   });
 }

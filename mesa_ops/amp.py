@@ -57,11 +57,26 @@ def fp16_autocast(x: torch.Tensor) -> bool:
 def autocast_plan(op: str, x: torch.Tensor):
     """None when autocast is off on ``x``'s device (the Function computes in ``x.dtype``, no
     context needed), else (compute dtype of ``op``, fp16 autocast?) read before a Function
-    switches autocast off."""
+    switches autocast off (:func:`compute_dtype` and :func:`fp16_autocast` in one call)."""
     dev = x.device.type
     if not torch.is_autocast_enabled(dev):
         return None
-    return compute_dtype(op, x), fp16_autocast(x)
+    amp = torch.get_autocast_dtype(dev)
+    return (_probe(op, dev, amp, x.dtype) if x.is_floating_point() else x.dtype), amp == torch.float16
+
+
+def apply_without_autocast(dev: str, traced: bool, fn, *args):
+    """``fn(*args)`` (a Function's apply) with autocast off on device type ``dev``, where it is
+    on: in eager mode two C calls (torch.autocast's context manager costs three Python calls per
+    layer); while torch.compile traces (``traced``) torch.autocast itself, which dynamo follows."""
+    if traced:
+        with torch.autocast(dev, enabled=False):
+            return fn(*args)
+    torch.set_autocast_enabled(dev, False)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_autocast_enabled(dev, True)
 
 
 # float32 and wider: used as they are where narrower dtypes are widened to float32 first (a

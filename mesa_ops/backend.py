@@ -95,9 +95,9 @@ class BackendUnavailable(RuntimeError):
 
 # ---- the build ------------------------------------------------------------------------------
 KINDS = ("cpu", "cuda", "emu")  # emu: the CUDA kernels compiled for the host (cuda_emulation.h)
-_SOURCES = {"cpu": ["bindings.cpp", "quant_cpu.cpp"],
-            "cuda": ["bindings.cpp", "quant_cpu.cpp", "quant_cuda.cu"],
-            "emu": ["bindings.cpp", "quant_cpu.cpp", "quant_cuda_emu.cpp"]}
+_SOURCES = {"cpu": ["bindings.cpp", "quant_cpu.cpp", "layer_grads.cpp"],
+            "cuda": ["bindings.cpp", "quant_cpu.cpp", "layer_grads.cpp", "quant_cuda.cu"],
+            "emu": ["bindings.cpp", "quant_cpu.cpp", "layer_grads.cpp", "quant_cuda_emu.cpp"]}
 
 
 def nvidia_include_dirs() -> list[str]:
@@ -337,6 +337,9 @@ class _Extension:
         #     where the calls can share one (the q, k, v of an attention: at most 3, one dtype)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
+        # restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None) -> a new
+        # tensor of shape and dtype (dequantize_out into it: one call, no Python-side empty/view)
+        self.restore = getattr(ext, f"restore_{suffix}")
         self.quantize_step_many = getattr(ext, f"quantize_step_many_{suffix}", None) or self._steps
         self.dequantize_out_many = getattr(ext, f"dequantize_out_many_{suffix}", None) or self._restores
         # (several calls in one launch: the CUDA kernels; the CPU ones take a call each, which
@@ -402,6 +405,10 @@ class _FakeKernels:
         return out
 
     @staticmethod
+    def restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None):
+        return _new_empty(packed, shape, dtype)
+
+    @staticmethod
     def lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None):
         return out
 
@@ -433,6 +440,12 @@ _ENV_DATA = getattr(os.environ, "_data", None)
 _ENV_KEY = os.environ.encodekey("MESA_BACKEND") if hasattr(os.environ, "encodekey") else None
 
 
+# the same for the per-activation fast paths (mesa_ops.quant, mesa_ops.packed), which key their
+# cached backend on MESA_BACKEND's raw value: one dict lookup, no call (None: read forced_backend())
+ENV_VARS = _ENV_DATA if type(_ENV_DATA) is dict and _ENV_KEY is not None else None
+BACKEND_VAR = _ENV_KEY
+
+
 def forced_backend() -> str | None:
     """$MESA_BACKEND, read at each call (None when unset or empty)."""
     if type(_ENV_DATA) is dict and _ENV_KEY is not None:
@@ -448,6 +461,18 @@ def forced_backend() -> str | None:
     if name and name not in BACKENDS:
         raise ValueError(f"MESA_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
     return name or None
+
+
+def native_ops():
+    """The extension's device-independent composites of ATen ops (the layers' gradient math,
+    cuda/layer_grads.cpp): the same ops as the pure-PyTorch versions in mesa_ops.functional, in
+    one call; None where those run instead (MESA_BACKEND=torch, or no extension built). Read once
+    per Mesa backward."""
+    raw = ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else os.environ.get("MESA_BACKEND")
+    if raw is not None and forced_backend() == "torch":
+        return None
+    ext = _extension("cpu")
+    return None if isinstance(ext, BaseException) else ext
 
 
 def _cuda_backend(forced: bool):

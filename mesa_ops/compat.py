@@ -7,6 +7,10 @@ detected by whether the feature exists, in this one place.
 * :func:`current_autograd_node`: the autograd node the engine runs on this thread, None outside a
   backward (``torch._C._current_autograd_node``; None always where absent: a reentrant
   checkpoint's recompute is then not told apart).
+* :func:`aten_call`: the C callable of an aten overload (``OpOverload._op``), called without
+  the overload's Python ``__call__``; the overload itself where absent.
+* :data:`C10D_WORLD`: torch.distributed's registry of process groups, whose ``_default_pg`` says
+  without a call whether a default group exists (None where absent: ``dist.is_initialized()``).
 
 Differences that need no switch are written once for all releases where they occur: a packed
 copy is attached to a view of a custom Function's output while torch.compile traces
@@ -22,4 +26,29 @@ import torch
 current_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
-__all__ = ["current_graph_task_id", "current_autograd_node"]
+
+def _c10d_world():
+    try:
+        from torch.distributed import distributed_c10d
+    except ImportError:  # (a torch built without torch.distributed)
+        return None
+    world = getattr(distributed_c10d, "_world", None)
+    return world if world is not None and hasattr(world, "_default_pg") else None
+
+
+# torch.distributed's process-group registry, whose ``_default_pg`` is None until a default group
+# is initialized: read once per stored activation without the three Python calls of
+# dist.is_initialized(). None where this torch has no such attribute (then ask dist itself).
+C10D_WORLD = _c10d_world()
+
+
+
+def aten_call(overload):
+    """The C callable behind an aten overload (``torch.ops.aten.X.default``): the same op
+    without ``OpOverload.__call__``'s Python frame (a Mesa backward calls a few per layer in
+    eager mode; while torch.compile traces, the overload itself). The overload where this torch
+    keeps no such callable."""
+    return getattr(overload, "_op", overload)
+
+
+__all__ = ["current_graph_task_id", "current_autograd_node", "C10D_WORLD", "aten_call"]

@@ -51,8 +51,14 @@ class Linear(_Layer, nn.Linear):
 
     def forward(self, x):
         if not torch.jit.is_scripting():  # TorchScript (eval): the plain layer
-            if self.weight.requires_grad and self._active(x, self.weight, self.bias):
-                return MF.linear_fn(x, self.weight, self.bias, self)
+            # (the parameters read from _parameters: no Module.__getattr__ frame, once per step;
+            # a parametrized weight, a property, is not there: then read as it is)
+            w = self._parameters.get("weight")
+            if w is None:
+                w = self.weight
+            # (needs a gradient: the weight's own, with grad mode on)
+            if self.enable and self.training and w.requires_grad and torch.is_grad_enabled():
+                return MF.linear_fn(x, w, self.bias, self)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -101,8 +107,11 @@ class LayerNorm(_Layer, nn.LayerNorm):
 
     def forward(self, x):
         if not torch.jit.is_scripting():
-            if self._active(x, self.weight, self.bias):
-                return MF.layer_norm_fn(x, self.normalized_shape, self.weight, self.bias, self.eps, self)
+            if self.enable and self.training and torch.is_grad_enabled():
+                p = self._parameters  # (no Module.__getattr__ frames: see Linear.forward)
+                w, b = (p["weight"], p["bias"]) if "weight" in p and "bias" in p else (self.weight, self.bias)
+                if x.requires_grad or (w is not None and w.requires_grad) or (b is not None and b.requires_grad):
+                    return MF.layer_norm_fn(x, self.normalized_shape, w, b, self.eps, self)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -118,7 +127,7 @@ class GELU(_Layer, nn.GELU):
 
     def forward(self, x):
         if not torch.jit.is_scripting():
-            if self._active(x):
+            if self.enable and self.training and x.requires_grad and torch.is_grad_enabled():
                 return MF.gelu_fn(x, self.approximate, self)
         return F.gelu(x, approximate=self.approximate)
 

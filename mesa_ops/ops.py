@@ -79,6 +79,16 @@ def salt_mix(salt: int) -> int:
     return mix
 
 
+SIGNED_MIX: dict = {}  # salt -> salt_mix(salt) as a signed int64 (the kernels' argument)
+
+
+def signed_salt_mix(salt: int) -> int:
+    """:func:`salt_mix` as the int64 with the same bits (cached in :data:`SIGNED_MIX`, which the
+    quantizers read directly: once per stored activation)."""
+    mix = SIGNED_MIX[salt] = signed64(salt_mix(salt))
+    return mix
+
+
 def seed_prefix(salt: int, device: torch.device | None = None) -> int:
     """The part of :func:`make_seed` that does not depend on the draw count (64 bits):
     ``splitmix64(torch_fingerprint(device) ^ salt_mix(salt))``."""
@@ -127,6 +137,7 @@ def set_rng_state(state) -> None:
                          f"from ms.get_rng_state(), got dtype {t.dtype} shape {tuple(t.shape)}")
     _BASE[0] = int(t.cpu()[0])
     _SALT_MIX.clear()
+    SIGNED_MIX.clear()
 
 
 def dist_world() -> int:

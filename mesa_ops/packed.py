@@ -20,7 +20,7 @@ from torch.autograd import function as _autograd_function
 
 from . import nonfinite, ops, reference
 from .compat import current_graph_task_id
-from .backend import get_backend, kernel_for
+from .backend import BACKEND_VAR, ENV_VARS, forced_backend, get_backend, kernel_for, native_ops
 
 # compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
 # name, not a wrapper around it (it runs several times per layer, each call a Python frame)
@@ -29,6 +29,7 @@ compiling = torch.compiler.is_compiling
 
 # the id of the backward pass the autograd engine runs on this thread, -1 outside one
 _graph_task_id = current_graph_task_id
+_tnew = tuple.__new__  # (a NamedTuple made without its Python __new__: once per packed copy)
 
 
 class QTensor(NamedTuple):
@@ -66,26 +67,21 @@ class QTensor(NamedTuple):
 
     @staticmethod
     def restore(tensors, meta) -> torch.Tensor:
-        packed, step, shift = tensors[0], tensors[1], tensors[2]
-        head = tensors[3] if len(tensors) > 3 else None
-        shape, dtype, bits, groups, inner, transposed = meta
-        be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
-        if be is None or not be.has_dequantize_out:
-            return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
-                                                    shape.numel(), dtype), shape, transposed), head)
-        call, done = _restore_call(tensors, meta)
-        be.dequantize_out(*call)
-        return _restored(done)
+        """The tensor :meth:`tensors` (3 or 4) and :meth:`meta` store (:func:`restore`; into a
+        workspace buffer in a backward that records no graph)."""
+        traced = compiling()
+        return restore(tensors[0], tensors[1], tensors[2], tensors[3] if len(tensors) > 3 else None,
+                       meta, traced, not traced and not torch.is_grad_enabled() and _graph_task_id() != -1)
 
     @staticmethod
-    def restore_many(items) -> list:
+    def restore_many(items, traced: bool | None = None) -> list:
         """:meth:`restore` of each (tensors, meta), in one kernel call where their backend has
         one for several (on CUDA one launch for the q, k, v of an attention)."""
-        be = (None if compiling() or len(items) < 2
-              else kernel_for(get_backend(items[0][0][0]), items[0][0][0], items[0][1][1], items[0][1][2]))
+        traced = compiling() if traced is None else traced
+        be = None if traced or len(items) < 2 else restorer(items[0][0][0], items[0][1][1], items[0][1][2])
         if not getattr(be, "has_many", False) or any(
-                kernel_for(get_backend(t[0]), t[0], m[1], m[2]) is not be for t, m in items[1:]):
-            return [QTensor.restore(t, m) for t, m in items]
+                restorer(t[0], m[1], m[2]) is not be for t, m in items[1:]):
+            return [restore(t[0], t[1], t[2], t[3] if len(t) > 3 else None, m, traced) for t, m in items]
         calls, dones = zip(*(_restore_call(t, m) for t, m in items))
         be.dequantize_out_many(list(calls))
         return [_restored(d) for d in dones]
@@ -94,29 +90,75 @@ class QTensor(NamedTuple):
         return QTensor.restore(self.tensors(), self.meta())
 
 
+# (kind of tensor, device, dtype, bits, MESA_BACKEND) -> the backend restoring such copies
+_RESTORERS: dict = {}
+
+
+def restorer(packed: torch.Tensor, dtype: torch.dtype, bits: int):
+    """The backend that restores a copy packed in ``packed`` (its device; fake tensors apart) at
+    ``bits`` bits into ``dtype``: :func:`~mesa_ops.backend.kernel_for` of the tensor's backend,
+    decided once per key."""
+    key = (type(packed), packed.device, dtype, bits,
+           ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else forced_backend())
+    be = _RESTORERS.get(key)
+    if be is None:
+        be = _RESTORERS[key] = kernel_for(get_backend(packed), packed, dtype, bits)
+    return be
+
+
+def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head: torch.Tensor | None,
+            meta: tuple, traced: bool = False, ws: bool = False) -> torch.Tensor:
+    """The tensor a packed copy stores (``meta``: :meth:`QTensor.meta`), its exact prefix rows
+    ``head`` (or None) written over the dequantized ones: one ``dequantize_out`` call into a new
+    tensor, or with ``ws`` (a backward that records no graph) into a workspace buffer where
+    page faults would cost (:data:`WORKSPACE_MIN_BYTES`); the reference's op while ``traced``
+    (torch.compile) or where the backend has no such call. Runs once per restored activation:
+    no further Python call on the usual path."""
+    shape, dtype, bits, groups, inner, transposed = meta
+    if traced:
+        be = None
+    else:
+        key = (type(packed), packed.device, dtype, bits,
+               ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else forced_backend())
+        be = _RESTORERS.get(key)
+        if be is None:
+            be = restorer(packed, dtype, bits)
+    if be is None or not be.has_dequantize_out:
+        return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
+                                                shape.numel(), dtype), shape, transposed), head)
+    # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
+    kh = head if head is not None and not transposed and head.dtype is dtype else None
+    numel = shape.numel()
+    if not (ws and packed.is_cpu and numel * dtype.itemsize >= WORKSPACE_MIN_BYTES):
+        if not transposed:  # (a new tensor of x's shape, in one call)
+            out = be.restore(packed, step, shift, bits, groups, inner, shape, dtype, kh)
+            return out if kh is not None or head is None else with_head(out, head)
+        flat, buf = torch.empty(numel, dtype=dtype, device=packed.device), None
+    else:
+        flat, buf = _workspace().acquire(numel, dtype, packed.device)
+    be.dequantize_out(packed, step, shift, bits, groups, inner, flat, kh)
+    if transposed:
+        return with_head(_shaped(flat, shape, transposed), head)
+    out = flat.view(shape)
+    out._mesa_ws = buf
+    return out if kh is not None or head is None else with_head(out, head)
+
+
 def _restore_call(tensors, meta):
     """(the dequantize_out arguments that restore a QTensor's ``tensors``/``meta`` into a new
-    buffer, what :func:`_restored` makes of it)."""
+    buffer, what :func:`_restored` makes of it): one call of several restored together."""
     packed, step, shift = tensors[0], tensors[1], tensors[2]
     head = tensors[3] if len(tensors) > 3 else None
     shape, dtype, bits, groups, inner, transposed = meta
-    numel = shape.numel()
-    # reuse workspace buffers only in a backward that records no graph (create_graph=False)
-    ws = not torch.is_grad_enabled() and _graph_task_id() != -1
-    flat, buf = (_workspace().acquire(numel, dtype, packed.device) if ws
-                 else (torch.empty(numel, dtype=dtype, device=packed.device), None))
-    # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
+    flat = torch.empty(shape.numel(), dtype=dtype, device=packed.device)
     kh = head if head is not None and not transposed and head.dtype == dtype else None
     return ((packed, step, shift, bits, groups, inner, flat, kh),
-            (flat, buf if ws and not transposed else None, shape, transposed, None if kh is not None else head))
+            (flat, shape, transposed, None if kh is not None else head))
 
 
 def _restored(done) -> torch.Tensor:
-    flat, buf, shape, transposed, head = done
-    out = _shaped(flat, shape, transposed)
-    if buf is not None:
-        out._mesa_ws = buf
-    return with_head(out, head)
+    flat, shape, transposed, head = done
+    return with_head(_shaped(flat, shape, transposed), head)
 
 
 def with_head(out: torch.Tensor, head: torch.Tensor | None) -> torch.Tensor:
@@ -154,24 +196,42 @@ class AffineQTensor(NamedTuple):
 
     @staticmethod
     def restore(tensors, meta) -> torch.Tensor:
-        out = QTensor.restore(tensors[:-2], meta)
-        w, b = tensors[-2], tensors[-1]
-        if w is not None:
-            out = out.mul_(w)
-        if b is not None:
-            out = out.add_(b)
-        return out
+        return _affine(QTensor.restore(tensors[:-2], meta), tensors[-2], tensors[-1])
 
     def dequantize(self) -> torch.Tensor:
         return AffineQTensor.restore(self.tensors(), self.meta())
 
 
-def _gelu_table(levels: torch.Tensor, approximate: str) -> torch.Tensor:
-    return torch.nn.functional.gelu(levels, approximate=approximate)
+def _affine(out: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``out * w + b`` along the last dim, in place (``out``: a restored x-hat of its own)."""
+    if w is not None:
+        out = out.mul_(w)
+    if b is not None:
+        out = out.add_(b)
+    return out
 
 
-# elementwise functions a stored tensor can be restored through: name -> f(levels, *args)
-TABLE_FNS = {"gelu": _gelu_table}
+def gelu_f64(x: torch.Tensor, approximate: str, grad: torch.Tensor | None = None,
+             traced: bool | None = None) -> torch.Tensor:
+    """GELU of ``x`` (with ``grad``: its backward, grad * GELU'(x)) computed in float64 and
+    rounded once to ``x``'s dtype (``grad``'s with a grad): the tables of GELU and GELU' at the
+    2^bits values of each group that a Mesa GELU's packed input is restored through, and its
+    exact prefix rows (float64 takes ATen's own kernels on every device, where float32 GELU on
+    the CPU goes to a library primitive with ~6 us of set-up per call). The extension's
+    ``gelu_f64`` in eager mode, these ops while torch.compile traces (``traced``; None to ask)
+    or without the extension."""
+    native = None if (compiling() if traced is None else traced) else native_ops()
+    dtype = x.dtype if grad is None else grad.dtype
+    if native is not None:
+        return native.gelu_f64(x, grad, approximate, dtype)
+    x64 = x.double()
+    if grad is None:
+        return torch.nn.functional.gelu(x64, approximate=approximate).to(dtype)
+    return torch.ops.aten.gelu_backward(grad.double(), x64, approximate=approximate).to(dtype)
+
+
+# elementwise functions a stored tensor can be restored through: name -> f(values, *args, traced)
+TABLE_FNS = {"gelu": lambda x, approximate, traced=None: gelu_f64(x, approximate, None, traced)}
 
 
 @_over_q
@@ -190,33 +250,34 @@ class MappedQTensor(NamedTuple):
         return self.q.meta() + (self.fn,)
 
     @staticmethod
-    def restore(tensors, meta) -> torch.Tensor:
+    def restore(tensors, meta, traced: bool | None = None) -> torch.Tensor:
         step, shift = tensors[1], tensors[2]
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
-        table = TABLE_FNS[name](levels(step, shift, bits, dtype), *args)
+        table = TABLE_FNS[name](levels(step, shift, bits, dtype, traced), *args, traced=traced)
         # the exact prefix rows, through f itself
-        head = TABLE_FNS[name](tensors[3], *args) if len(tensors) > 3 else None
-        return apply_table(tensors[:3], meta[:6], table, head=head)
+        head = (TABLE_FNS[name](tensors[3], *args, traced=traced)
+                if len(tensors) > 3 and tensors[3] is not None else None)
+        return apply_table(tensors[:3], meta[:6], table, head=head, traced=traced)
 
     def dequantize(self) -> torch.Tensor:
         return MappedQTensor.restore(self.tensors(), self.meta())
 
 
-def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtype,
+           traced: bool | None = None) -> torch.Tensor:
     """(G, 2^bits): the values each group's codes dequantize to, in ``dtype`` (the kernel's
-    one call on CPU, reference.levels elsewhere and while compiling). Read-only: in a backward
-    the result is kept on ``step`` for the next call with the same arguments, neither tensor
-    modified since (a GELU's backward and the next Linear's both take the levels of the GELU's
-    packed input: one launch)."""
-    if compiling():
+    one call on CPU, reference.levels elsewhere and while compiling: ``traced``, None to ask).
+    Read-only: in a backward the result is kept on ``step`` for the next call with the same
+    arguments, neither tensor modified since (a GELU's backward and the next Linear's both take
+    the levels of the GELU's packed input: one launch)."""
+    if compiling() if traced is None else traced:
         return reference.levels(step, shift, bits, dtype)
     memo = getattr(step, "_mesa_levels", None)
     key = (bits, dtype, id(shift), step._version, shift._version)
     if memo is not None and memo[0] == key and memo[1] is shift:
         return memo[2]
-    be = kernel_for(get_backend(step), step, dtype, bits)
-    kernel = getattr(be, "levels", None)
+    kernel = getattr(restorer(step, dtype, bits), "levels", None)
     lv = reference.levels(step, shift, bits, dtype) if kernel is None else kernel(step, shift, bits, dtype)
     if in_backward():  # (tensors of a finished graph: freed with it)
         step._mesa_levels = (key, shift, lv)
@@ -224,31 +285,35 @@ def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtyp
 
 
 def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = None,
-                head: torch.Tensor | None = None) -> torch.Tensor:
+                head: torch.Tensor | None = None, traced: bool | None = None) -> torch.Tensor:
     """``table[group][code]`` of a packed tensor (``tensors``/``meta`` of a QTensor), times
     ``mul`` when given, shaped as the stored tensor: (G, 2^bits) ``table`` of the result dtype.
-    Without ``mul`` and in a graph-free backward the result is a workspace buffer (release it).
-    ``head``: the result's first rows along dim -2 (the exact prefix rows, shaped
+    Without ``mul`` and in a graph-free backward the result may be a workspace buffer (release
+    it). ``head``: the result's first rows along dim -2 (the exact prefix rows, shaped
     ``result.narrow(-2, 0, P)``), written over them as they are (by the kernel where it can);
-    a QTensor's own ``head`` (a 4th tensor) is ignored: only the caller knows f of it."""
+    a QTensor's own ``head`` (a 4th tensor) is ignored: only the caller knows f of it.
+    ``traced``: torch.compile traces (the reference's ops then; None to ask)."""
     packed = tensors[0]
     shape, dtype, bits, groups, inner, transposed = meta
     if transposed:
         raise ValueError("mesa apply_table: a transposed packed copy has no table path")
     numel = shape.numel()
-    be = None if compiling() else kernel_for(get_backend(packed), packed, dtype, bits)
+    be = None if (compiling() if traced is None else traced) else restorer(packed, dtype, bits)
     kernel = getattr(be, "lut_apply_out", None)
     if kernel is None:
         return with_head(reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape),
                          head)
-    ws = mul is None and not torch.is_grad_enabled() and in_backward()
-    out, buf = (_workspace().acquire(numel, table.dtype, packed.device) if ws
-                else (torch.empty(numel, dtype=table.dtype, device=packed.device), None))
+    buf = None
+    if (mul is None and packed.is_cpu and numel * table.dtype.itemsize >= WORKSPACE_MIN_BYTES
+            and not torch.is_grad_enabled() and _graph_task_id() != -1):
+        out, buf = _workspace().acquire(numel, table.dtype, packed.device)
+    else:
+        out = torch.empty(numel, dtype=table.dtype, device=packed.device)
     kh = head if head is not None and head.dtype == table.dtype else None
     kernel(packed, table, bits, groups, inner, out, None if mul is None else mul.contiguous(),
            None if kh is None else kh.contiguous())
     out = out.view(shape)
-    if ws:
+    if buf is not None:
         out._mesa_ws = buf
     return out if kh is not None or head is None else with_head(out, head)
 
@@ -284,16 +349,21 @@ def _memory_view(x: torch.Tensor, allow_transposed: bool = True, copy: bool = Tr
     return (x.contiguous() if copy else x), 0
 
 
+# dequantized CPU tensors of at least this many bytes come from the backward workspace
+# (:class:`_Workspace`): below it an allocation costs no page faults (glibc's heap, not mmap)
+WORKSPACE_MIN_BYTES = 256 * 1024
+
+
 class _Workspace:
     """Reusable buffers for the dequantized activations of one backward pass (per device).
 
     A fresh multi-MB CPU allocation costs a page fault per 4 KiB on first touch, which made
     dequantization dominate Mesa's CPU overhead. During a backward, Mesa's Functions take their
-    dequantized tensors from here and hand them back (:func:`release`) once their gradients are
-    computed; the buffers are dropped when the backward ends, so nothing is held during forward.
-    On CUDA the caching allocator would serve most requests too; the workspace keeps the
-    buffer of one layer's restored input for the next layer of the same size without a trip
-    through it. ``free`` maps (numel, dtype, device) to the free 1-D buffers of that size (a
+    dequantized CPU tensors of at least :data:`WORKSPACE_MIN_BYTES` from here and hand them back
+    (:func:`release`) once their gradients are computed; the buffers are dropped when the
+    backward ends, so nothing is held during forward. Smaller tensors come from the allocator
+    (no page faults: glibc serves them from its heap) and CUDA tensors from the caching
+    allocator, without the workspace's bookkeeping. ``free`` maps (numel, dtype, device) to the free 1-D buffers of that size (a
     model restores a few sizes over and over: one dict lookup finds one); a request no free
     buffer matches exactly takes the smallest larger one (a slice of it) or a new buffer.
 
@@ -374,7 +444,7 @@ def release(*tensors) -> None:
         buf = getattr(t, "_mesa_ws", None)
         if buf is not None and not getattr(t, "_mesa_boxed", False):
             t._mesa_ws = None  # (released once)
-            _workspace().release(buf)
+            _local.ws.release(buf)
 
 
 def in_backward() -> bool:
@@ -442,11 +512,9 @@ class Share:
     """One dequantized copy handed between two backwards that restore the same packed tensor: a
     consumer (the Linear fed by a LayerNorm, the projection after SDPA) restores it first, the
     producer (the LayerNorm, the SDPA) takes it instead of restoring it again, and releases it.
-    ``t`` is the restored tensor while it waits (a workspace buffer), else None."""
-    __slots__ = ("t",)
-
-    def __init__(self):
-        self.t = None
+    ``t`` is the restored tensor while it waits, else None (the class's value: a new box is made
+    without a Python call, once per producer)."""
+    t = None
 
 
 def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer=None,
@@ -470,14 +538,23 @@ def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer
     return t
 
 
-def hand_on(ctx, y: torch.Tensor, q, out_packed: bool):
+def hand_on(ctx, y: torch.Tensor, q, out_packed: bool, record=None, quant=None,
+            share_item: int | None = None):
     """What a Mesa Function returns with the packed copy ``q`` it hands the next layer (a
     LayerNorm's x-hat, a GELU's input, a Softmax's or SDPA's output; None or a tensor stored
-    exactly: nothing): in eager mode ``y`` alone, ``q`` left on ``ctx`` for :func:`output_copy`;
-    under torch.compile (``out_packed``: dynamo keeps no Python attributes on its nodes)
-    ``(y, *q.tensors())``, the packed tensors non-differentiable."""
+    exactly: nothing): in eager mode ``y``, carrying ``record`` (``q`` when None: a LayerNorm's
+    :class:`AffineQTensor`, a GELU's :class:`MappedQTensor`) as :func:`attach_saved` records it
+    (rounded as ``quant`` rounds), with ``ctx`` as the producer whose saved item ``share_item`` restores the same tensor (None:
+    no such item); under torch.compile (``out_packed``: dynamo keeps no Python attributes on its
+    nodes) ``(y, *q.tensors())``, the packed tensors non-differentiable, for the layer's wrapper
+    (:func:`output_copy`, then :func:`attach_saved`)."""
     if not out_packed:
-        ctx.mesa_qx = q
+        if type(q) is QTensor:
+            box = None
+            if share_item is not None:
+                box = Share()
+                ctx.mesa_share = (share_item, box, None)
+            y._mesa_saved = (q if record is None else record, y._version, bool(quant.stochastic), box)
         return y
     packed = q.tensors() if isinstance(q, QTensor) else ()
     ctx.mark_non_differentiable(*packed)
@@ -485,16 +562,10 @@ def hand_on(ctx, y: torch.Tensor, q, out_packed: bool):
     return (y,) + packed
 
 
-def output_copy(out, out_packed: bool, quant, dtype: torch.dtype):
-    """(y, the :class:`QTensor` handed on with it, or None) from what :func:`hand_on` returned:
-    in eager mode read (and taken) off y's node; under torch.compile rebuilt from the extra
-    outputs (``quant``'s groups and bits, stored in ``dtype``)."""
-    if not out_packed:
-        node = out.grad_fn
-        q = getattr(node, "mesa_qx", None)
-        if q is not None:
-            node.mesa_qx = None
-        return out, q if isinstance(q, QTensor) else None
+def output_copy(out, quant, dtype: torch.dtype):
+    """(y, the :class:`QTensor` handed on with it, or None) from what :func:`hand_on` returned
+    under torch.compile: rebuilt from the extra outputs (``quant``'s groups and bits, stored in
+    ``dtype``)."""
     y, *packed = out
     if not packed:
         return y, None
@@ -513,13 +584,43 @@ def adopt_saved(ctx, t: torch.Tensor, quant, dtype: torch.dtype | None = None, d
                 item: int = 0, grad_input: int = 0, rec=None):
     """:func:`find_saved`, and when the copy is one its producer's backward restores too, record
     on ``ctx`` (which saves it as item ``item``) that its backward hands the restored tensor on,
-    when the gradient of its input ``grad_input`` flows back to that producer. ``rec``: ``t``'s
-    :func:`saved_record` (read from ``t`` when None)."""
-    rec = saved_record(t) if rec is None else rec
-    qt = find_saved(t, quant, dtype, derived, rec=rec)
-    if qt is not None and rec[3] is not None:
-        ctx.mesa_share = (item, rec[3], grad_input)
+    when the gradient of its input ``grad_input`` flows back to that producer (``ctx`` None:
+    nothing recorded). ``rec``: ``t``'s :func:`saved_record` (read from ``t`` when None). Runs
+    once per layer that takes another's copy: a derived copy is matched without a further call."""
+    rec = getattr(t, "_mesa_saved", None) if rec is None else rec
+    if rec is None:
+        return None
+    qt, version, stochastic, box = rec
+    kind = type(qt)
+    if kind is AffineQTensor or kind is MappedQTensor:
+        base = qt[0]  # ([0]: dynamo of torch 2.8 reads no property of a NamedTuple)
+        if (not derived or type(quant) is int or (version is not None and version != t._version)
+                or base[3] != t.shape or base[5] != quant._bits or stochastic != bool(quant.stochastic)):
+            return None
+    elif not _matches(qt, version, stochastic, t, quant, dtype):
+        return None
+    if box is not None and ctx is not None:
+        ctx.mesa_share = (item, box, grad_input)
     return qt
+
+
+def _matches(qt: QTensor, version, stochastic: bool, t: torch.Tensor, quant, dtype) -> bool:
+    """Whether ``qt`` (recorded on ``t`` at ``version``) stores what ``quant`` (or a bit width)
+    would store of ``t``: see :func:`find_saved`."""
+    if (version is not None and version != t._version) or qt.shape != t.shape:
+        return False
+    if dtype is not None and qt.dtype != dtype:
+        return False
+    if isinstance(quant, int):
+        return qt.bits == quant
+    if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
+        return False
+    if (qt.transposed and quant.group_dim != "channel") or qt.transposed == CHANNELS_LAST:
+        return False
+    shape = list(t.shape)
+    if qt.transposed:
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    return (qt.groups, qt.inner) == quant.groups_for(shape)
 
 
 def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
@@ -532,100 +633,94 @@ def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived
     :class:`AffineQTensor`; a GELU's input through GELU: :class:`MappedQTensor`): its groups
     are that layer's, and it restores in that layer's compute dtype (the caller casts). ``rec``:
     ``t``'s :func:`saved_record` (read from ``t`` when None)."""
-    rec = saved_record(t) if rec is None else rec
-    if rec is None:
-        return None
-    qt, version, stochastic = rec[:3]
-    derived_copy = isinstance(qt, (AffineQTensor, MappedQTensor))
-    base = qt.q if derived_copy else qt  # (.q: dynamo of torch 2.8 reads no property of a NamedTuple)
-    if (version is not None and version != t._version) or base.shape != t.shape:
-        return None
-    if derived_copy:
-        if not derived or isinstance(quant, int):
-            return None
-        return qt if base.bits == quant.bits and stochastic == bool(quant.stochastic) else None
-    if dtype is not None and qt.dtype != dtype:
-        return None
-    if isinstance(quant, int):
-        return qt if qt.bits == quant else None
-    if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
-        return None
-    if (qt.transposed and quant.group_dim != "channel") or qt.transposed == CHANNELS_LAST:
-        return None
-    shape = list(t.shape)
-    if qt.transposed:
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    if (qt.groups, qt.inner) != quant.groups_for(shape):
-        return None
-    return qt
-
-
-_PACKED = (QTensor, AffineQTensor, MappedQTensor)  # each: tensors(), meta(), restore(tensors, meta)
+    return adopt_saved(None, t, quant, dtype, derived, rec=rec)
 
 
 def save_for_backward(ctx, *items) -> None:
-    """``ctx.save_for_backward`` for a mix of packed copies (:data:`_PACKED`), Tensor and None
-    items."""
+    """``ctx.save_for_backward`` for a mix of packed copies (:class:`QTensor`,
+    :class:`AffineQTensor`, :class:`MappedQTensor`), Tensor and None items, in a fixed layout:
+    a packed copy takes 4 slots (codes, step, shift, exact prefix rows or None), an
+    AffineQTensor 2 more (weight, bias), anything else 1; ``ctx.mesa_layout`` holds (kind or
+    None, first slot, meta) per item. Runs once per Mesa forward: no Python call but torch's."""
     ws = getattr(_local, "ws", None)
     if ws is not None and ws.armed and _graph_task_id() == -1:
         ws.clear()  # a forward outside any backward: the last backward raised, elsewhere
     flat, layout = [], []
     for it in items:
-        if isinstance(it, _PACKED):
-            tensors = it.tensors()
-            layout.append((type(it), len(flat), len(tensors), it.meta()))
-            flat.extend(tensors)
-        elif it is None:
-            layout.append((None, 0, 0, None))
+        kind = type(it)
+        if kind is QTensor:
+            layout.append((QTensor, len(flat), it[3:9]))
+            flat += (it[0], it[1], it[2], it[9])
+        elif kind is AffineQTensor:
+            q = it[0]
+            layout.append((AffineQTensor, len(flat), q[3:9]))
+            flat += (q[0], q[1], q[2], q[9], it[1], it[2])
+        elif kind is MappedQTensor:
+            q = it[0]
+            layout.append((MappedQTensor, len(flat), q[3:9] + (it[1],)))
+            flat += (q[0], q[1], q[2], q[9])
         else:
-            layout.append((torch.Tensor, len(flat), 1, None))
+            layout.append((None, len(flat), None))
             flat.append(it)
     ctx.save_for_backward(*flat)
     ctx.mesa_layout = layout
 
 
-def saved_tensors(ctx, split_affine: bool = False, together: int = 0) -> list:
+def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bool = False) -> list:
     """The items given to :func:`save_for_backward`, packed copies restored. With
     ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
     bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
     smaller tensor). An item shared with another backward (:class:`Share`) is restored once.
     The QTensors among the first ``together`` items (an attention's q, k, v) are restored by
-    one call (:meth:`QTensor.restore_many`)."""
+    one call where the backend has one (:meth:`QTensor.restore_many`). ``traced``:
+    torch.compile traces this backward (as its forward knew): restored by the registered ops."""
     flat = ctx.saved_tensors
-    nonfinite.on_backward()
+    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
+        nonfinite.on_backward()
     share = getattr(ctx, "mesa_share", None)
-    early = {}
-    if together:
-        many = [j for j, (kind, _, _, _) in enumerate(ctx.mesa_layout[:together])
-                if kind is QTensor and not (share is not None and j == share[0])]
-        if len(many) > 1:
-            lay = ctx.mesa_layout
-            early = dict(zip(many, QTensor.restore_many(
-                [(flat[lay[j][1]:lay[j][1] + lay[j][2]], lay[j][3]) for j in many])))
+    # a backward that records no graph (create_graph=False): workspace buffers, shared copies
+    ws = not traced and not torch.is_grad_enabled() and _graph_task_id() != -1
+    layout = ctx.mesa_layout
+    early = _restored_together(flat, layout, together, share, traced) if together else None
     out = []
-    for j, (kind, i, n, meta) in enumerate(ctx.mesa_layout):
-        if j in early:
-            out.append(early[j])
-        elif kind is None:
-            out.append(None)
-        elif kind is torch.Tensor:
+    for j, (kind, i, meta) in enumerate(layout):
+        if kind is None:
             out.append(flat[i])
+        elif early is not None and j in early:
+            out.append(early[j])
         elif share is not None and j == share[0] and (
                 kind is QTensor or (split_affine and kind is AffineQTensor)):
-            q = n if kind is QTensor else n - 2  # (an AffineQTensor: the QTensor's, weight, bias)
-            x = _shared_restore(ctx, share, flat[i:i + q], meta)  # read-only: never modified
-            out.append(x if kind is QTensor else (x, flat[i + q], flat[i + q + 1]))
-        elif split_affine and kind is AffineQTensor:
-            out.append((QTensor.restore(flat[i:i + n - 2], meta), flat[i + n - 2], flat[i + n - 1]))
+            x = _shared_restore(ctx, share, flat, i, meta, traced, ws)  # read-only: never modified
+            out.append(x if kind is QTensor else (x, flat[i + 4], flat[i + 5]))
+        elif kind is QTensor:
+            out.append(restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws))
+        elif kind is AffineQTensor:
+            x = restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws)
+            out.append((x, flat[i + 4], flat[i + 5]) if split_affine else _affine(x, flat[i + 4], flat[i + 5]))
         else:
-            out.append(kind.restore(flat[i:i + n], meta))
+            out.append(MappedQTensor.restore(flat[i:i + 4], meta, traced))
     return out
 
 
-def _shared_restore(ctx, share, tensors, meta) -> torch.Tensor:
-    """The restored x of a shared item (:class:`Share`): taken from the box when the other
-    backward left it there; else restored, and left there by a consumer whose input gradient
-    flows on to the producer (whose backward then runs and takes it)."""
+def _restored_together(flat, layout, together: int, share, traced: bool):
+    """{item: restored tensor} of the QTensors among the first ``together`` items, restored by
+    one call (:meth:`QTensor.restore_many`), or None where their backend makes one call each."""
+    many = [j for j in range(min(together, len(layout))) if layout[j][0] is QTensor
+            and not (share is not None and j == share[0])]
+    if traced or len(many) < 2:
+        return None
+    first = layout[many[0]]
+    if not getattr(restorer(flat[first[1]], first[2][1], first[2][2]), "has_many", False):
+        return None
+    return dict(zip(many, QTensor.restore_many([(flat[layout[j][1]:layout[j][1] + 4], layout[j][2])
+                                                for j in many], traced)))
+
+
+def _shared_restore(ctx, share, flat, i: int, meta, traced: bool, ws: bool) -> torch.Tensor:
+    """The restored x of a shared item (:class:`Share`) at slot ``i``: taken from the box when
+    the other backward left it there; else restored, and left there (in a backward that records
+    no graph) by a consumer whose input gradient flows on to the producer (whose backward then
+    runs and takes it)."""
     _, box, grad_input = share
     t = box.t
     if t is not None:
@@ -633,9 +728,8 @@ def _shared_restore(ctx, share, tensors, meta) -> torch.Tensor:
             box.t = None
             t._mesa_boxed = False
         return t
-    t = QTensor.restore(tensors, meta)
-    if (grad_input is not None and ctx.needs_input_grad[grad_input]
-            and getattr(t, "_mesa_ws", None) is not None):
+    t = restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws)
+    if ws and grad_input is not None and ctx.needs_input_grad[grad_input]:
         box.t = t
         t._mesa_boxed = True
     return t
@@ -645,15 +739,14 @@ def saved_packed(ctx) -> list:
     """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
     backward that reads its stored tensor through a table, without dequantizing it)."""
     flat = ctx.saved_tensors
-    nonfinite.on_backward()
+    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
+        nonfinite.on_backward()
     out = []
-    for kind, i, n, meta in ctx.mesa_layout:
+    for kind, i, meta in ctx.mesa_layout:
         if kind is None:
-            out.append(None)
-        elif kind is torch.Tensor:
             out.append(flat[i])
         elif kind is QTensor:
-            out.append(QTensor.of(flat[i:i + n], *meta))
+            out.append(_tnew(QTensor, (flat[i], flat[i + 1], flat[i + 2]) + meta + (flat[i + 3],)))
         else:
             raise ValueError(f"mesa saved_packed: a {kind.__name__} has no packed form here")
     return out

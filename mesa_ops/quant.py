@@ -33,17 +33,18 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
 from . import ops
 from .amp import WIDE_DTYPES
-from .compat import current_autograd_node
-from .backend import get_backend, kernel_for
+from .compat import C10D_WORLD as _C10D_WORLD, current_autograd_node
+from .backend import ENV_VARS as _ENV_DATA, BACKEND_VAR as _ENV_KEY, forced_backend, get_backend, kernel_for
 from .reference import RANGE_MODES
 from .settings import (IGNORED_KEYS, KEYS, NONFINITE_MODES, SUPPORTED_BITS, PolicyError,
                        _index_list, _int, _META_KEYS, _nonneg_int, _tag_list, parse_groups)
-from .packed import CHANNELS_LAST, QTensor, _memory_view, compiling, in_backward
+from .packed import CHANNELS_LAST, QTensor, _graph_task_id, _memory_view, compiling, in_backward
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
 from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # noqa: F401
                      once_differentiable, pack_mask, release, save_for_backward, saved_tensors)
@@ -269,17 +270,28 @@ class QuantMixin:
         return cached
 
     def quantize(self, x: torch.Tensor, amp16: bool = False,
-                 norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> QTensor:
+                 norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 traced: bool | None = None) -> QTensor:
         """Update the running range from ``x`` and return its packed copy (training only).
         ``amp16``: the layer runs under fp16 autocast (``nonfinite='auto'`` then skips).
         ``norm`` = (mean, rstd), float32 with one value per row of the trailing dims they
         reduce (a LayerNorm's statistics, shaped (..., 1, ...)): store x-hat = (x - mean) * rstd
         in float32 instead of x (the CPU kernel normalizes while it reads x; elsewhere x-hat is
-        computed first, with the same operations)."""
-        if torch.is_grad_enabled():
+        computed first, with the same operations). ``traced``: whether torch.compile traces
+        (None: asked here; a layer's Function passes what its forward already knows).
+
+        In eager mode one kernel call does the range update, the codes and the exact prefix
+        rows, its arguments decided once per input layout (:meth:`_step_call`); while
+        torch.compile traces, or with a cross-rank range update, :meth:`_quantize_general`."""
+        if torch.is_grad_enabled():  # (called outside a Function: no graph of its own)
             with torch.no_grad():
-                return self._with_prefix(self._quantize(x, amp16, norm), x, norm)
-        return self._with_prefix(self._quantize(x, amp16, norm), x, norm)
+                return self.quantize(x, amp16, norm, traced)
+        if not (compiling() if traced is None else traced):
+            call = self._step_call(x, amp16, norm)
+            if call is not None:
+                q = self._step_result(call[0].quantize_step(*call[1]), call[2])
+                return q if q[9] is not None or not self.prefix_tokens else self._with_prefix(q, x, norm)
+        return self._with_prefix(self._quantize_general(x, amp16, norm), x, norm)
 
     def _with_prefix(self, q: QTensor, x: torch.Tensor, norm) -> QTensor:
         """``q`` with the first ``prefix_tokens`` rows along dim -2 of what it stores (x, or
@@ -333,23 +345,6 @@ class QuantMixin:
             return False
         return (x.numel() // rows) % inner == 0
 
-    def _quantize(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
-        # runs once per stored activation: kept to few Python operations
-        if not compiling():
-            be = kernel_for(get_backend(x), x, x.dtype, self._bits)
-            # eager: range update + quantize in one kernel call (CPU or CUDA), which reads a
-            # row-strided x (q, k, v of a fused qkv projection) in place; a cross-rank range
-            # update (dist_sync) takes the general path below
-            if getattr(be, "has_quantize_step", False):
-                # in a (non-reentrant) activation-checkpoint recomputation the running estimates
-                # were already updated by this step's forward: quantize with them, do not update
-                # them twice; a reentrant checkpoint's forward ran without grad (nothing
-                # quantized): its recomputation is this step's forward and updates them
-                update = _updates_range()
-                if not (update and self.dist_sync and ops.dist_world() > 1):
-                    return self._quantize_step(x, amp16, norm, be, update)
-        return self._quantize_general(x, amp16, norm)
-
     def _range_code(self) -> int:
         """The kernels' code of ``range_mode`` (reference.RANGE_MODES); a ValueError names a bad one."""
         code = _RANGE_CODE.get(self.range_mode)
@@ -358,26 +353,36 @@ class QuantMixin:
                              f"got {self.range_mode!r}")
         return code
 
-    def _step_plan(self, x: torch.Tensor, amp16: bool, norm, be, key):
-        """What :meth:`_quantize_step` passes the kernel for inputs like ``x`` (the ``key``), decided
-        once: (key, layout code, G, inner, head shape or None, stored dtype, nonfinite mode,
-        (decay, 1 - decay, range code, bits), stochastic, salt); where the kernel cannot apply
-        ``norm`` (a batch norm's (1, C, 1, 1) statistics), (key, None, the plan of x-hat, which
-        torch computes first). Kept in the layer's ``__dict__`` until an attribute of the layer
-        is set to another value (:meth:`__setattr__`)."""
-        range_code = self._range_code()
-        xs, transposed, g, inner = self._layout(x, copy=False)  # (may resize the state)
-        if norm is not None and not (self._fuses_norm(xs, norm[0], inner) and norm[1].is_contiguous()):
-            xn = _normalized(x, norm)  # (its layout follows from x's: the same for the same key)
-            plan = (key, None, self._step_plan(xn, amp16, None, be, _step_key(xn, amp16, be, None)))
+    def _step_plan(self, x: torch.Tensor, amp16: bool, norm, key) -> "_StepPlan":
+        """What :meth:`_step_call` passes the kernel for inputs like ``x`` (the ``key``: layout,
+        dtype, device, fp16 autocast, MESA_BACKEND, the row statistics' layout), decided once
+        (:class:`_StepPlan`); where the kernel cannot apply ``norm`` (a batch norm's (1, C, 1, 1)
+        statistics) the plan of x-hat, which torch computes first, as its ``xhat``. Kept in the
+        layer's ``__dict__`` until an attribute of the layer is set to another value
+        (:meth:`__setattr__`) or its buffers are moved (:meth:`_apply`)."""
+        be = kernel_for(get_backend(x), x, x.dtype, self._bits)
+        sync = bool(self.dist_sync)
+        if not getattr(be, "has_quantize_step", False):  # (the reference: the general path)
+            plan = _StepPlan(key, None, None, 0, 0, 0, None, None, "", (), False, None, sync)
         else:
-            p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
-            d = float(self.ema_decay)
-            stochastic = bool(self.stochastic)
-            # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
-            plan = (key, transposed, g, inner, tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
-                    x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
-                    (d, 1.0 - d, range_code, self._bits), stochastic, self._salt() if stochastic else None)
+            range_code = self._range_code()
+            self._state()  # (float32 running estimates)
+            xs, transposed, g, inner = self._layout(x, copy=False)  # (may resize the state)
+            if norm is not None and not (self._fuses_norm(xs, norm[0], inner) and norm[1].is_contiguous()):
+                xn = _normalized(x, norm)  # (its layout follows from x's: the same for the same key)
+                sub = self._step_plan(xn, amp16, None, (xn.shape, xn.stride(), xn.dtype, xn.device, amp16,
+                                                        key[5], None))
+                plan = _StepPlan(key, be, sub, 0, 0, 0, None, None, "", (), False, None, sync)
+            else:
+                p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
+                d = float(self.ema_decay)
+                stochastic = bool(self.stochastic)
+                # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
+                plan = _StepPlan(key, be, None, transposed, g, inner,
+                                 tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
+                                 x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
+                                 (d, 1.0 - d, range_code, self._bits), stochastic,
+                                 self._salt() if stochastic else None, sync)
         self.__dict__["_qplan"] = plan
         return plan
 
@@ -401,44 +406,65 @@ class QuantMixin:
         if "iteration" in self._buffers:  # (the draw counter and iteration come as they were)
             self._seen_iteration(self._buffers["iteration"])
 
-    def _quantize_step(self, x: torch.Tensor, amp16: bool, norm, be, update: bool) -> QTensor:
-        """The packed copy of ``x`` from one kernel call (range update and quantization), the
-        call's arguments decided once per input layout (:meth:`_step_plan`)."""
-        args, info = self._step_call(x, amp16, norm, be, update)
-        return self._step_result(be.quantize_step(*args), info)
-
-    def _step_call(self, x: torch.Tensor, amp16: bool, norm, be, update: bool):
-        """(the arguments of :meth:`_quantize_step`'s kernel call, what :meth:`_step_result`
-        needs of them)."""
-        key = _step_key(x, amp16, be, norm)
-        plan = self.__dict__.get("_qplan")
-        if plan is None or plan[0] != key:
-            plan = self._step_plan(x, amp16, norm, be, key)
-        if plan[1] is None:  # x-hat first, by torch; then its own plan
-            x, norm, plan = _normalized(x, norm), None, plan[2]
-        _, transposed, g, inner, head_shape, dtype, mode, rng, stochastic, salt = plan
-        xs = x if not transposed else x.transpose(-2, -1) if transposed == 1 else x.permute(0, 2, 3, 1)
-        clip, shift, it = self._state()
+    def _step_call(self, x: torch.Tensor, amp16: bool, norm):
+        """(backend, the arguments of its one-call ``quantize_step`` for ``x``, what
+        :meth:`_step_result` needs of them), or None where the general path applies (no such
+        kernel, or a range update all-reduced across ranks). Runs once per stored activation:
+        what depends only on the input's layout and the settings is decided once
+        (:meth:`_step_plan`), the rest is read here without further Python calls."""
+        key = (x.shape, x.stride(), x.dtype, x.device, amp16,
+               _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else forced_backend(),
+               None if norm is None else (norm[0].shape, norm[0].dtype, norm[0].stride(), norm[1].stride()))
+        d = self.__dict__
+        plan = d.get("_qplan")
+        if plan is None or plan.key != key:
+            plan = self._step_plan(x, amp16, norm, key)
+        be = plan.be
+        if be is None:
+            return None
+        # in a (non-reentrant) activation-checkpoint recomputation the running estimates were
+        # already updated by this step's forward: quantize with them, do not update them twice;
+        # a reentrant checkpoint's forward ran without grad (nothing quantized): its
+        # recomputation is this step's forward and updates them
+        update = _graph_task_id() == -1 or _updates_range()
+        if update and plan.sync and (_C10D_WORLD is None or _C10D_WORLD._default_pg is not None) \
+                and ops.dist_world() > 1:
+            return None
+        if plan.xhat is not None:  # x-hat first, by torch; then its own plan
+            x, norm, plan = _normalized(x, norm), None, plan.xhat
+        t = plan.transposed
+        xs = x if not t else x.transpose(-2, -1) if t == 1 else x.permute(0, 2, 3, 1)
+        bufs = self._buffers
+        clip, shift, it, draws = bufs["clip_val"], bufs["shift"], bufs["iteration"], bufs["draws"]
+        if not (clip.dtype is shift.dtype is it.dtype is _F32):
+            clip, shift, it = self._state()
+        seen = d.get("_it_seen")  # (_draws_for without a call where nothing changed)
+        if not (seen is not None and seen[0] is it and seen[1] == it._version and seen[2] is draws
+                and draws.is_cpu):
+            draws = self._draws_for(it)
         head = None  # the exact prefix rows (_with_prefix), written by the kernel
-        if head_shape is not None:
-            head = torch.empty(head_shape, dtype=dtype, device=x.device)
+        if plan.head_shape is not None:
+            head = torch.empty(plan.head_shape, dtype=plan.dtype, device=x.device)
             head._mesa_head = True
-        # (the kernel hashes torch's generator state with the salt's mix: ops.seed_prefix)
-        draws = self._draws_for(it)
-        args = (xs, g, inner, clip, shift, it, *rng, update,
-                ops.signed64(ops.salt_mix(salt)) if stochastic else 0, draws,
-                stochastic, mode == "skip", stochastic,
+        mix = 0
+        if plan.stochastic:  # (the kernel hashes torch's generator state with the salt's mix)
+            mix = ops.SIGNED_MIX.get(plan.salt)
+            if mix is None:
+                mix = ops.signed_salt_mix(plan.salt)
+        args = (xs, plan.groups, plan.inner, clip, shift, it, *plan.consts, update, mix, draws,
+                plan.stochastic, plan.mode == "skip", plan.stochastic,
                 *((None, None) if norm is None else norm), head)
-        return args, (xs, it, draws, mode, x.shape, dtype, rng[3], g, inner, transposed, head)
+        return be, args, (xs, it, draws, plan, x.shape, head)
 
     def _step_result(self, result, info) -> QTensor:
         """The QTensor of a :meth:`_step_call`'s kernel result (and its bookkeeping)."""
         packed, step, sh, finite, rows = result
-        xs, it, draws, mode, shape, dtype, bits, g, inner, transposed, head = info
+        xs, it, draws, plan, shape, head = info
         self.__dict__["_it_seen"] = (it, it._version, draws, draws._version)  # (_seen_iteration)
         if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
-            ops.report_nonfinite(rows[3], finite, mode, self, xs)
-        return QTensor(packed, step, sh, shape, dtype, bits, g, inner, transposed, head)
+            ops.report_nonfinite(rows[3], finite, plan.mode, self, xs)
+        return _tnew(QTensor, (packed, step, sh, shape, plan.dtype, plan.consts[3], plan.groups,
+                               plan.inner, plan.transposed, head))
 
     def _quantize_general(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         """Range update (all-reduced across ranks with ``dist_sync``) and quantization as two
@@ -514,43 +540,58 @@ _REENTRANT_BACKWARD = "CheckpointFunctionBackward"
 
 
 _UNSET = object()
+_F32 = torch.float32
+_tnew = tuple.__new__  # (a NamedTuple made without its Python __new__: once per stored activation)
 
 
-def quantize_many(pairs, amp16: bool = False) -> list:
+class _StepPlan(NamedTuple):
+    """A quantizer's one-call kernel arguments for one input layout (:meth:`QuantMixin._step_plan`):
+    ``be`` None where the general path applies; ``xhat`` the plan of x-hat where torch normalizes
+    first; else the stored layout code, G, inner, the exact prefix rows' shape (or None), the
+    stored dtype, the nonfinite mode, (decay, 1 - decay, range code, bits), rounding and the
+    salt; ``sync``: the range statistics all-reduced across ranks (dist_sync)."""
+    key: tuple
+    be: object
+    xhat: "_StepPlan | None"
+    transposed: int
+    groups: int
+    inner: int
+    head_shape: tuple | None
+    dtype: torch.dtype | None
+    mode: str
+    consts: tuple
+    stochastic: bool
+    salt: int | None
+    sync: bool
+
+
+def quantize_many(pairs, amp16: bool = False, traced: bool | None = None) -> list:
     """:meth:`QuantMixin.quantize` of each (quantizer, x) in ``pairs``, in order; the kernel calls
     of those that take the one-call path on one backend made together (on CUDA one launch for
     the q, k, v of an attention: ``quantize_step_many``; only where the first pair's backend has
     that op: else one call each). The results, states and draw counters
     are those of the calls one after the other (each quantizer has its own; where one raises,
     e.g. nonfinite='raise' on the CPU, the others' states may have moved already)."""
-    be0 = None if compiling() or len(pairs) < 2 else kernel_for(
+    traced = compiling() if traced is None else traced
+    be0 = None if traced or len(pairs) < 2 else kernel_for(
         get_backend(pairs[0][1]), pairs[0][1], pairs[0][1].dtype, pairs[0][0]._bits)
     if not getattr(be0, "has_many", False):  # (the CPU kernels: a call each, no bookkeeping)
-        return [q.quantize(x, amp16) for q, x in pairs]
+        return [q.quantize(x, amp16, None, traced) for q, x in pairs]
     with torch.no_grad():
         out = [None] * len(pairs)
         calls, infos = [], []
-        update = _updates_range()
         for i, (q, x) in enumerate(pairs):
-            be = be0 if i == 0 else kernel_for(get_backend(x), x, x.dtype, q._bits)
-            if be is not be0 or (update and q.dist_sync and ops.dist_world() > 1):
-                out[i] = q.quantize(x, amp16)  # (the general path, or another backend)
+            call = q._step_call(x, amp16, None)
+            if call is None or call[0] is not be0:
+                out[i] = q.quantize(x, amp16, None, False)  # (the general path, or another backend)
                 continue
-            args, info = q._step_call(x, amp16, None, be, update)
-            calls.append(args)
-            infos.append((i, q, info))
+            calls.append(call[1])
+            infos.append((i, q, call[2]))
         results = (be0.quantize_step_many(calls) if len(calls) > 1
                    else [be0.quantize_step(*c) for c in calls])
         for (i, q, info), res in zip(infos, results):
             out[i] = q._with_prefix(q._step_result(res, info), pairs[i][1], None)
         return out
-
-
-def _step_key(x: torch.Tensor, amp16: bool, be, norm) -> tuple:
-    """What a quantizer's step plan (:meth:`QuantMixin._step_plan`) depends on besides its own
-    settings: x's layout, dtype and device, fp16 autocast, the backend, the row statistics'."""
-    return (x.shape, x.stride(), x.dtype, x.device, amp16, id(be), None if norm is None else
-            (norm[0].shape, norm[0].dtype, norm[0].is_contiguous(), norm[1].is_contiguous()))
 
 
 def _updates_range() -> bool:

@@ -271,8 +271,8 @@ class IdentityQuant:
     bits = 8
     enable = True  # MatMul stores an input packed only when its quantizer is enabled
 
-    def quantize(self, x, amp16=False, norm=None):
-        # (norm: a LayerNorm's (mean, rstd); it stores x-hat)
+    def quantize(self, x, amp16=False, norm=None, traced=None):
+        # (norm: a LayerNorm's (mean, rstd); it stores x-hat; traced: torch.compile traces)
         return x if norm is None else (x - norm[0]) * norm[1]
 
     def describe(self):

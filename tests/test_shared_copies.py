@@ -40,6 +40,9 @@ def test_linear_after_layernorm_reuses_its_copy(affine, batch, tokens, monkeypat
     ms.policy.set_mesa(plain, False)
     restored, real = [], linear._affine
     monkeypatch.setattr(linear, "_affine", lambda *a: restored.append(a) or real(*a))
+    # (the pure-PyTorch gradient math, whose branches are spied on here; the extension's
+    # linear_backward takes the same ones: tests/test_native_grads.py)
+    monkeypatch.setattr(linear, "native_ops", lambda: None)
     y0, gy, g0 = run(plain, [x])
     y1, _, g1 = run(mesa, [x], gy)
     assert len(restored) == (batch * tokens < 24)  # x restored only with fewer tokens than outputs
@@ -134,15 +137,19 @@ def test_shared_copy_dequantized_once_for_both_backwards(case, monkeypatch):
 
     be = backend._extension_backend("cpp")
     calls = []
-    deq = be.dequantize_out
+    deq, restore = be.dequantize_out, be.restore  # (into a given buffer; into a new tensor)
     monkeypatch.setattr(be, "dequantize_out", lambda *a: calls.append(1) or deq(*a))
+    monkeypatch.setattr(be, "restore", lambda *a: calls.append(1) or restore(*a))
     monkeypatch.delenv("MESA_BACKEND", raising=False)
 
     def grads(share: bool):
-        attach = packed.attach_saved if share else (
-            lambda t, qt, stochastic=True, producer=None, item=0: packed.attach_saved(t, qt, stochastic))
-        monkeypatch.setattr(fn, "attach_saved", attach)
-        monkeypatch.setattr(fa, "attach_saved", attach)
+        # (the producers hand their copies on with the item their own backward restores too:
+        # without it, each backward restores its own)
+        hand_on = packed.hand_on if share else (
+            lambda ctx, y, q, out_packed, record=None, quant=None, share_item=None:
+            packed.hand_on(ctx, y, q, out_packed, record, quant))
+        monkeypatch.setattr(fn, "hand_on", hand_on)
+        monkeypatch.setattr(fa, "hand_on", hand_on)
         torch.manual_seed(0)
         if case == "norm-two-linears":
             model, x = _NormTwoLinears(), torch.randn(2, 9, 48)

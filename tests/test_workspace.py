@@ -62,10 +62,12 @@ def test_matmul_stores_exactly_the_input_whose_quantizer_is_off():
 def test_every_workspace_buffer_is_handed_back(monkeypatch):
     """In a backward through Mesa blocks (LayerNorm, Linear, SDPA, GELU) every buffer taken
     from the workspace is released after its last use (SDPA's restored q, k, v and output
-    included), so later restores reuse them instead of allocating."""
+    included), so later restores reuse them instead of allocating. (The workspace takes CPU
+    tensors from WORKSPACE_MIN_BYTES up: here every size.)"""
     from mesa_ops import packed
 
     monkeypatch.delenv("MESA_BACKEND", raising=False)
+    monkeypatch.setattr(packed, "WORKSPACE_MIN_BYTES", 0)
     taken, given = [], []
     acquire, release = packed._Workspace.acquire, packed._Workspace.release
 
@@ -91,3 +93,25 @@ def test_every_workspace_buffer_is_handed_back(monkeypatch):
     assert sorted(map(id, given)) == sorted(map(id, taken))
     fresh = {id(b) for b in taken}
     assert len(fresh) < len(taken)  # buffers were reused
+
+
+def test_small_restores_take_no_workspace_buffer(monkeypatch):
+    """Below WORKSPACE_MIN_BYTES (no page faults to save) a backward's restored tensors are
+    plain allocations: the workspace is never armed, and the gradients are the same bits as
+    with every restore in the workspace."""
+    from mesa_ops import packed
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    taken = []
+    acquire = packed._Workspace.acquire
+    monkeypatch.setattr(packed._Workspace, "acquire",
+                        lambda self, *a: taken.append(a) or acquire(self, *a))
+    x = torch.randn(2, 9, 48)
+    assert x.numel() * 4 < packed.WORKSPACE_MIN_BYTES
+    small = _grads(None, monkeypatch, steps=2)
+    assert taken == []
+    monkeypatch.setattr(packed, "WORKSPACE_MIN_BYTES", 0)
+    every = _grads(None, monkeypatch, steps=2)
+    assert taken
+    for a, b in zip(small, every):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))

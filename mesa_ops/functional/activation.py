@@ -8,10 +8,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..amp import as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (MappedQTensor, QTensor, apply_table, attach_saved, compiling, hand_on, levels,
-                     once_differentiable, output_copy, pack_mask, release, save_for_backward,
-                     saved_packed, saved_tensors)
+from ..amp import apply_without_autocast, autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, attach_saved, compiling, gelu_f64, hand_on, levels,
+                      once_differentiable, output_copy, pack_mask, release, save_for_backward,
+                      saved_packed, saved_tensors)
 
 
 @functools.lru_cache(maxsize=32)
@@ -32,13 +32,16 @@ class _GELU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16, out_packed=False):
-        xc = as_dtype(x, cdt)
+        xc = x if x.dtype is cdt else x.to(cdt)
         y = F.gelu(xc, approximate=approximate)
-        qx = quant.quantize(xc, amp16)
+        qx = quant.quantize(xc, amp16, None, out_packed)
         save_for_backward(ctx, qx)
         ctx.mesa_name = quant
-        ctx.approximate, ctx.x_dtype, ctx.cdt = approximate, x.dtype, cdt
-        return hand_on(ctx, y, qx, out_packed)
+        ctx.approximate, ctx.x_dtype, ctx.cdt, ctx.traced = approximate, x.dtype, cdt, out_packed
+        # the next Mesa Linear restores y = GELU(x) from the same bytes, through a table
+        return hand_on(ctx, y, qx, out_packed,
+                       None if out_packed else _tnew(MappedQTensor, (qx, ("gelu", approximate))),
+                       quant)
 
     @staticmethod
     @once_differentiable
@@ -46,36 +49,37 @@ class _GELU(torch.autograd.Function):
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return None, None, None, None, None, None
         (xq,) = saved_packed(ctx)
-        cdt = ctx.cdt
-        g = as_dtype(gy, cdt)
-        if isinstance(xq, QTensor):
-            lv = levels(xq.step, xq.shift, xq.bits, xq.dtype)
-            one = (torch.ones_like(lv) if compiling()
+        cdt, traced = ctx.cdt, ctx.traced
+        g = gy if gy.dtype is cdt else gy.to(cdt)
+        if type(xq) is QTensor:
+            lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
+            one = (torch.ones_like(lv) if traced
                    else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
-            deriv = torch.ops.aten.gelu_backward(one, lv, approximate=ctx.approximate)
+            deriv = gelu_f64(lv, ctx.approximate, one, traced)  # (G, 2^bits) GELU' at the levels
             head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                head = torch.ops.aten.gelu_backward(g.narrow(-2, 0, xq.head.shape[-2]),
-                                                    xq.head.to(g.dtype), approximate=ctx.approximate)
-            gx = apply_table(xq.tensors(), xq.meta(), deriv, mul=g, head=head)
+                head = gelu_f64(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), traced)
+            gx = apply_table(xq, xq[3:9], deriv, g, head, traced)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
-        return as_dtype(gx, ctx.x_dtype), None, None, None, None, None
+        return gx if gx.dtype is ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None, None
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     """GELU of x (..., C); the output carries the packed input for the next Mesa Linear."""
-    plan = autocast_plan("gelu", x)
-    cdt = x.dtype if plan is None else plan[0]
     # under torch.compile the packed input comes out of the Function (dynamo keeps no Python
-    # attributes on its nodes); in eager mode it is read from the node
+    # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
+    plan = autocast_plan("gelu", x)
     if plan is None:
+        cdt = x.dtype
         y = _GELU.apply(x, approximate, quant, cdt, False, traced)
     else:
-        with no_autocast(x):
-            y = _GELU.apply(x, approximate, quant, *plan, traced)
-    y, qx = output_copy(y, traced, quant, cdt)
+        cdt = plan[0]
+        y = apply_without_autocast(x.device.type, traced, _GELU.apply, x, approximate, quant, *plan, traced)
+    if not traced:
+        return y
+    y, qx = output_copy(y, quant, cdt)
     if qx is None:
         return y
     return attach_saved(y, MappedQTensor(qx, ("gelu", approximate)), quant.stochastic)
@@ -84,19 +88,19 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, quant, cdt, amp16, out_packed=False):
-        y = torch.softmax(x.to(cdt), dim)
-        qy = quant.quantize(y, amp16)
+        y = torch.softmax(x if x.dtype is cdt else x.to(cdt), dim)
+        qy = quant.quantize(y, amp16, None, out_packed)
         save_for_backward(ctx, qy)
-        ctx.dim, ctx.x_dtype, ctx.cdt = dim, x.dtype, cdt
+        ctx.dim, ctx.x_dtype, ctx.cdt, ctx.traced = dim, x.dtype, cdt, out_packed
         ctx.mesa_name = quant
-        return hand_on(ctx, y, qy, out_packed)  # (attn @ v reuses the packed copy)
+        return hand_on(ctx, y, qy, out_packed, None, quant)  # (attn @ v reuses the copy)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return None, None, None, None, None, None
-        (yh,) = saved_tensors(ctx)
+        (yh,) = saved_tensors(ctx, False, 0, ctx.traced)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
         release(yh)
         return gx.to(ctx.x_dtype), None, None, None, None, None
@@ -110,7 +114,9 @@ def softmax_fn(x: torch.Tensor, dim: int, quant) -> torch.Tensor:
     traced = compiling()
     with no_autocast(x):
         y = _Softmax.apply(x, dim, quant, cdt, amp16, traced)
-    y, qy = output_copy(y, traced, quant, cdt)  # (y is contiguous: stored as it is)
+    if not traced:
+        return y
+    y, qy = output_copy(y, quant, cdt)  # (y is contiguous: stored as it is)
     if qy is None:
         return y
     return attach_saved(y, qy, quant.stochastic)

@@ -28,7 +28,8 @@ import functools
 
 import torch
 
-from ..amp import as_dtype, fp16_autocast, no_autocast
+from ..amp import apply_without_autocast, as_dtype, fp16_autocast
+from ..compat import aten_call
 from ..packed import (attach_saved, compiling, hand_on, once_differentiable, output_copy, release,
                       save_for_backward, saved_tensors)
 from ..quant import quantize_many
@@ -87,21 +88,15 @@ def head_layout(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.view(b, n, heads, c // heads).transpose(1, 2)
 
 
-def _pack(quant, x4: torch.Tensor, amp16: bool):
-    """Head-wise packed copy of (B, H, L, D) ``x4`` (its (B, L, H*D) layout, H groups of D), or
-    ``x4`` itself when this quantizer is off."""
-    return quant.quantize(token_layout(x4), amp16) if quant.enable else x4
-
-
-def _pack_all(pairs, amp16: bool) -> list:
-    """:func:`_pack` of each (quantizer, (B, H, L, D) tensor), the enabled quantizers' kernel
-    calls made together (:func:`~mesa_ops.quant.quantize_many`: on CUDA one launch for q, k, v)."""
-    packed = iter(quantize_many([(qu, token_layout(x4)) for qu, x4 in pairs if qu.enable], amp16))
-    return [next(packed) if qu.enable else x4 for qu, x4 in pairs]
-
-
-def _unpack(item, heads: int):
-    return head_layout(item, heads) if item.dim() == 3 else item
+def _pack_all(quants, tensors, amp16: bool, traced: bool) -> list:
+    """The stored copy of each (B, H, L, D) tensor: its head-wise packed copy (its (B, L, H*D)
+    layout, H groups of D) where its quantizer is on, else the tensor itself; the enabled
+    quantizers' kernel calls made together (:func:`~mesa_ops.quant.quantize_many`: on CUDA one
+    launch for q, k, v)."""
+    on = [(qu, token_layout(x4)) for qu, x4 in zip(quants, tensors) if qu.enable]
+    packed = iter(quantize_many(on, amp16, traced) if len(on) > 1 else
+                  [qu.quantize(x, amp16, None, traced) for qu, x in on])
+    return [next(packed) if qu.enable else x4 for qu, x4 in zip(quants, tensors)]
 
 
 def _mem_eff_mask(am, q, k):
@@ -115,17 +110,18 @@ def _mem_eff_mask(am, q, k):
     return am.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def sdp_choice(q, k, v, am, dropout_p: float, scale) -> int:
+def sdp_choice(q, k, v, am, dropout_p: float, scale, traced: bool | None = None) -> int:
     """The backend ``F.scaled_dot_product_attention`` picks for these inputs (grad mode as now).
-    Under torch.compile it is read at trace time from the inputs' shapes, strides, dtypes,
-    devices and requires_grad (a constant of the graph, no graph break)."""
+    Under torch.compile (``traced``; None to ask) it is read at trace time from the inputs'
+    shapes, strides, dtypes, devices and requires_grad (a constant of the graph, no graph
+    break)."""
     if q.dim() != 4:
         return MATH
-    if compiling():
+    if compiling() if traced is None else traced:
         metas = tuple(None if t is None else (tuple(t.shape), tuple(t.stride()), t.dtype, t.device,
                                               t.requires_grad) for t in (q, k, v, am))
         return _sdp_choice_of(metas, dropout_p, scale, torch.is_grad_enabled())
-    return int(aten._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
+    return int(torch._fused_sdp_choice(q, k, v, am, dropout_p, False, scale=scale))
 
 
 @torch.compiler.assume_constant_result
@@ -143,8 +139,8 @@ def _fused_forward(choice: int, q, k, v, am, scale):
     """The fused kernel ``choice`` on (B, H, L, D) q, k, v as F.sdpa calls it: (out, logsumexp,
     the tensors its backward takes besides, (max_q, max_k) or None)."""
     if choice == FLASH and q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
-                                                                      attn_mask=am, scale=scale)
+        out, lse = torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                       attn_mask=am, scale=scale)
         return out, lse, (), None
     if choice == FLASH:  # as F.sdpa: head dims padded to a multiple of 8, the scale of D
         d = q.shape[-1]
@@ -164,10 +160,12 @@ def _fused_forward(choice: int, q, k, v, am, scale):
 
 class _SDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, out_packed=False):
-        qc, kc, vc = as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt)
+    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, traced=False):
+        qc = q if q.dtype is cdt else q.to(cdt)
+        kc = k if k.dtype is cdt else k.to(cdt)
+        vc = v if v.dtype is cdt else v.to(cdt)
         B, H, N, D = qc.shape
-        am = build_mask(bias, window_mask, B, cdt)
+        am = None if bias is None and window_mask is None else build_mask(bias, window_mask, B, cdt)
         if choice == MATH:
             out = aten._scaled_dot_product_attention_math(
                 _split(qc, window_mask), _split(kc, window_mask), _split(vc, window_mask), am, 0.0,
@@ -175,34 +173,46 @@ class _SDPA(torch.autograd.Function):
             lse, extra = None, ()
         else:
             out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
+        mods = mod._modules  # (the quantizers without Module.__getattr__'s frame)
+        quant_o = mods["quant_o"]
         ctx.recompute = choice != MATH and mod.reruns_forward()
         # the backward's rerun gives the output and softmax statistics: the forward's are kept
         # only for the next layer (``attn.proj`` adopts the token-layout output copy)
-        keep_out = choice != MATH and (merge or not ctx.recompute)
-        qo = _pack(mod.quant_o, out, amp16) if keep_out else None
+        qo = None
+        if choice != MATH and (merge or not ctx.recompute):
+            qo = quant_o.quantize(token_layout(out), amp16, None, traced) if quant_o.enable else out
         if ctx.recompute:
             lse, extra = None, ()
-        save_for_backward(ctx, *_pack_all(((mod.quant_q, qc), (mod.quant_k, kc), (mod.quant_v, vc)), amp16),
-                          qo, lse, bias, window_mask, *extra)
+        save_for_backward(ctx, *_pack_all((mods["quant_q"], mods["quant_k"], mods["quant_v"]), (qc, kc, vc),
+                                          amp16, traced), qo, lse, bias, window_mask, *extra)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
+        ctx.traced = traced
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
-        # (the token-layout output hands its packed copy on: hand_on)
-        return hand_on(ctx, token_layout(out), qo, out_packed) if merge else out
+        # (the token-layout output hands its packed copy on, saved item 3 restoring the same
+        # tensor: once for both backwards, outside torch.compile)
+        return hand_on(ctx, token_layout(out), qo, merge and traced, None, quant_o, 3) if merge else out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (out_packed: grads are not materialized, the output took no gradient)
             return (None,) * 12
-        items = saved_tensors(ctx, together=3)  # (q, k, v restored by one call)
-        qh, kh, vh, oh = (None if t is None else _unpack(t, ctx.heads) for t in items[:4])
+        traced, H = ctx.traced, ctx.heads
+        items = saved_tensors(ctx, False, 3, traced)  # (q, k, v restored by one call where it can)
+        qh, kh, vh, oh = items[:4]  # ((B, L, H * D) token layouts, back to (B, H, L, D) heads)
+        qh = qh if qh.dim() == 4 else qh.view(qh.shape[0], qh.shape[1], H, -1).transpose(1, 2)
+        kh = kh if kh.dim() == 4 else kh.view(kh.shape[0], kh.shape[1], H, -1).transpose(1, 2)
+        vh = vh if vh.dim() == 4 else vh.view(vh.shape[0], vh.shape[1], H, -1).transpose(1, 2)
+        if oh is not None and oh.dim() == 3:
+            oh = oh.view(oh.shape[0], oh.shape[1], H, -1).transpose(1, 2)
         lse, bias, window_mask = items[4:7]
         extra = items[7:]
         cdt, scale = ctx.cdt, ctx.scale
-        g = as_dtype(head_layout(gy, ctx.heads) if ctx.merge else gy, cdt)
+        g = gy.view(gy.shape[0], gy.shape[1], H, -1).transpose(1, 2) if ctx.merge else gy
+        g = g if g.dtype is cdt else g.to(cdt)
         gbias = None
-        am = build_mask(bias, window_mask, qh.shape[0], cdt)
+        am = None if bias is None and window_mask is None else build_mask(bias, window_mask, qh.shape[0], cdt)
         if ctx.recompute:
             # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
             # backward is then the exact gradient at the dequantized inputs, as the math path's
@@ -211,7 +221,7 @@ class _SDPA(torch.autograd.Function):
             # bias, issue 20)
             oh, lse, extra, ctx.max_qk = _fused_forward(ctx.choice, qh, kh, vh, am, scale)
         if ctx.choice == FLASH and qh.device.type == "cpu":
-            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            gq, gk, gv = (aten._scaled_dot_product_flash_attention_for_cpu_backward if traced else _CPU_FLASH_BWD)(
                 g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
         elif ctx.choice == FLASH:
             cum_q, cum_k, rng, unused = extra
@@ -241,7 +251,8 @@ class _SDPA(torch.autograd.Function):
                 gbias = gbias.sum_to_size(bias.shape)
         release(*items[:4])  # (the token-layout tensors restored: the head views carry no buffer)
         dq, dk, dv, db = ctx.dtypes
-        return (as_dtype(gq, dq), as_dtype(gk, dk), as_dtype(gv, dv), as_dtype(gbias, db),
+        return (gq if gq.dtype is dq else gq.to(dq), gk if gk.dtype is dk else gk.to(dk),
+                gv if gv.dtype is dv else gv.to(dv), as_dtype(gbias, db),
                 None, None, None, None, None, None, None, None)
 
 
@@ -258,6 +269,8 @@ def _scale(scale, d: int) -> float:
 
 
 _WIDE = (torch.float32, torch.float64)
+# the CPU flash kernel's backward without OpOverload's Python frame (eager mode; traced: the op)
+_CPU_FLASH_BWD = aten_call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 
 
 def _math_backward(g, q, k, v, am, window_mask, scale, need_bias: bool):
@@ -302,27 +315,26 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     if window_mask is not None and window_mask.dim() != 3:
         raise ValueError(f"mesa SDPA: window_mask must be (W, N, M), got {tuple(window_mask.shape)}")
+    traced = compiling()
     cdt = compute_dtype(q)
     if window_mask is not None:
         choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
     else:
-        am = build_mask(bias, None, q.shape[0], cdt)
-        choice = sdp_choice(as_dtype(q, cdt), as_dtype(k, cdt), as_dtype(v, cdt), am, 0.0, scale)
+        am = None if bias is None else build_mask(bias, None, q.shape[0], cdt)
+        choice = sdp_choice(q if q.dtype is cdt else q.to(cdt), k if k.dtype is cdt else k.to(cdt),
+                            v if v.dtype is cdt else v.to(cdt), am, 0.0, scale, traced=traced)
         if choice == CUDNN and bias is not None and bias.requires_grad:
             choice = EFFICIENT  # cuDNN's backward gives no bias gradient (Swin's relative bias)
     # under torch.compile the packed output comes out of the Function (dynamo keeps no Python
     # attributes on its nodes), for the next Linear to adopt as in eager mode (issue 22.6)
-    out_packed = merge and compiling()
-    if cdt == q.dtype and not torch.is_autocast_enabled(q.device.type):
-        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False, out_packed)
+    dev = q.device.type
+    if cdt is q.dtype and not torch.is_autocast_enabled(dev):
+        y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False, traced)
     else:
-        amp16 = fp16_autocast(q)  # read before autocast is switched off
-        with no_autocast(q):
-            y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, out_packed)
-    if not merge:
+        y = apply_without_autocast(dev, traced, _SDPA.apply, q, k, v, bias, window_mask, scale, mod, cdt,
+                                   choice, merge, fp16_autocast(q), traced)
+    if not (merge and traced):
         return y
-    y, qo = output_copy(y, out_packed, mod.quant_o, cdt)
-    if qo is None:
-        return y
-    # (saved item 3, out, restores the same tensor: once for both, outside torch.compile)
-    return attach_saved(y, qo, mod.quant_o.stochastic, producer=None if out_packed else y.grad_fn, item=3)
+    quant_o = mod.quant_o
+    y, qo = output_copy(y, quant_o, cdt)
+    return y if qo is None else attach_saved(y, qo, quant_o.stochastic)

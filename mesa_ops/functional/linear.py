@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import WIDE_DTYPES, as_dtype, autocast_plan, no_autocast
-from ..packed import (adopt_saved, once_differentiable, release, save_for_backward, saved_record,
-                      saved_tensors)
+from ..amp import WIDE_DTYPES, apply_without_autocast, as_dtype, autocast_plan
+from ..backend import native_ops
+from ..packed import adopt_saved, compiling, once_differentiable, release, save_for_backward, saved_tensors
 
 
 def _linear(x, w, b):
@@ -20,59 +20,75 @@ def _linear(x, w, b):
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quant, cdt, amp16, rec):
-        xc = as_dtype(x, cdt)
-        y = _linear(xc, as_dtype(weight, cdt), as_dtype(bias, cdt))
+    def forward(ctx, x, weight, bias, quant, cdt, amp16, rec, traced=False):
+        xc = x if x.dtype is cdt else x.to(cdt)
+        y = _linear(xc, weight if weight.dtype is cdt else weight.to(cdt),
+                    bias if bias is None or bias.dtype is cdt else bias.to(cdt))
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
         qx = None if rec is None else adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True, rec=rec)
         if qx is None:
-            qx = quant.quantize(xc, amp16)
+            qx = quant.quantize(xc, amp16, None, traced)
         save_for_backward(ctx, qx, weight)
         ctx.mesa_name = quant  # (described only for an error message)
-        ctx.cdt, ctx.x_dtype, ctx.has_bias = cdt, x.dtype, bias is not None
+        ctx.cdt, ctx.x_dtype, ctx.has_bias, ctx.traced = cdt, x.dtype, bias is not None, traced
         ctx.b_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy):
-        xh, weight = saved_tensors(ctx, split_affine=True)
-        cdt = ctx.cdt
-        g = as_dtype(gy, cdt)
-        gx = gw = gb = None
+        xh, weight = saved_tensors(ctx, True, 0, ctx.traced)
         need = ctx.needs_input_grad
-        g2 = g.reshape(-1, g.shape[-1])  # (tokens, out): mm on 2-D views, as addmm's backward
-        if need[0]:
-            gx = g2.mm(as_dtype(weight, cdt))
-            gx = gx.view(*g.shape[:-1], gx.shape[-1])
-            gx = as_dtype(gx, ctx.x_dtype)
-        gsum = _colsum(g2) if ctx.has_bias and need[2] else None
-        if need[1]:
-            if isinstance(xh, tuple) and g2.shape[0] < g2.shape[1]:  # fewer tokens than
-                # outputs (small batches): x = x-hat * a + c restored (tokens x in) costs less
-                # than the fold's two passes over the (out x in) gradient below
-                gw = _gw(g2, _affine(*xh, cdt), cdt)
-                xh = xh[0]
-            elif isinstance(xh, tuple):  # x = x-hat * a + c along its last dim (a LayerNorm's
-                # output): gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
-                xh, a, c = xh
-                gw = _gw(g2, xh, cdt)
-                if gw.dtype not in WIDE_DTYPES:  # the fold in float32
-                    gw = gw.float()
-                if a is not None:
-                    gw = gw.mul_(as_dtype(a, gw.dtype))
-                if c is not None:
-                    gsum = _colsum(g2) if gsum is None else gsum
-                    gw = gw.addr_(as_dtype(gsum, gw.dtype), as_dtype(c, gw.dtype))
-            else:
-                gw = _gw(g2, xh, cdt)
-            gw = as_dtype(gw, weight.dtype)
-        if ctx.has_bias and need[2]:
-            gb = as_dtype(gsum, ctx.b_dtype)
-        release(xh)
-        return gx, gw, gb, None, None, None, None
+        affine = type(xh) is tuple  # (x-hat, a, c) of a LayerNorm's output
+        x, a, c = xh if affine else (xh, None, None)
+        native = None if ctx.traced else native_ops()
+        gx, gw, gb = (linear_grads if native is None else native.linear_backward)(
+            gy, x, weight, affine, a, c, need[0], need[1], ctx.has_bias and need[2], ctx.cdt, ctx.x_dtype,
+            ctx.b_dtype)
+        release(x)
+        return gx, gw, gb, None, None, None, None, None
+
+
+def linear_grads(gy, x, weight, affine: bool, a, c, need_x: bool, need_w: bool, need_b: bool, cdt, x_dtype,
+                 b_dtype):
+    """(gx, gw, gb) of y = x W^T + b for the output gradient ``gy`` (..., out) from the stored
+    input ``x`` (..., in) restored, or with ``affine`` its LayerNorm's x-hat with x = x-hat * a
+    + c (``a``, ``c``: (in,) or None); None where not needed. The specification of the
+    extension's ``linear_backward`` (cuda/layer_grads.cpp: the same ops in one native call),
+    and what runs while torch.compile traces."""
+    g = as_dtype(gy, cdt)
+    gx = gw = gb = gsum = None
+    g2 = g.reshape(-1, g.shape[-1])  # (tokens, out): mm on 2-D views, as addmm's backward
+    if need_x:
+        gx = g2.mm(as_dtype(weight, cdt))
+        gx = as_dtype(gx.view(*g.shape[:-1], gx.shape[-1]), x_dtype)
+    if need_b:
+        # (aten's sum: bits that do not depend on the thread count, unlike a BLAS ones @ g2,
+        # which splits its sum across threads on AVX-512 machines: tests/test_determinism.py)
+        gsum = g2.sum(0)
+    if need_w:
+        if affine and g2.shape[0] < g2.shape[1]:  # fewer tokens than outputs (small batches):
+            # x = x-hat * a + c restored (tokens x in) costs less than the fold's two passes
+            # over the (out x in) gradient below
+            gw = _gw(g2, _affine(x, a, c, cdt), cdt)
+        elif affine:  # x = x-hat * a + c along its last dim (a LayerNorm's output):
+            # gW = (g^T x-hat) * a + outer(sum g, c), no token-sized restore of x
+            gw = _gw(g2, x, cdt)
+            if gw.dtype not in WIDE_DTYPES:  # the fold in float32
+                gw = gw.float()
+            if a is not None:
+                gw = gw.mul_(as_dtype(a, gw.dtype))
+            if c is not None:
+                gsum = g2.sum(0) if gsum is None else gsum
+                gw = gw.addr_(as_dtype(gsum, gw.dtype), as_dtype(c, gw.dtype))
+        else:
+            gw = _gw(g2, x, cdt)
+        gw = as_dtype(gw, weight.dtype)
+    if need_b:
+        gb = as_dtype(gsum, b_dtype)
+    return gx, gw, gb
 
 
 def _affine(xh, a, c, dtype):
@@ -88,14 +104,6 @@ def _affine(xh, a, c, dtype):
     if a is None:
         return torch.add(xh, as_dtype(c, xh.dtype), out=out)
     return torch.addcmul(as_dtype(c, xh.dtype), xh, as_dtype(a, xh.dtype), out=out)
-
-
-def _colsum(g2):
-    """g2.sum(0) of a (tokens, out) gradient, by aten's reduction: its result does not depend on
-    the thread count. (A BLAS ones @ g2 was faster for tall float32 g2 -- 30 vs 72 us for
-    12544 x 64, PVT's stage 1 -- but the BLAS splits that product across threads on AVX-512
-    machines: other last bits with 1 and 2 threads, which tests/test_determinism.py forbids.)"""
-    return g2.sum(0)
 
 
 def _gw(g2, x, cdt):
@@ -114,9 +122,10 @@ _THIN_OUT = 64  # output features below which _gw takes the (x^T g)^T orientatio
 
 def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, quant) -> torch.Tensor:
     """y = x W^T + b for x (..., in) -> (..., out); stores x at ``quant.bits`` bits."""
+    traced = compiling()
+    rec = getattr(x, "_mesa_saved", None)  # (the packed copy another layer attached to x)
+    if not torch.is_autocast_enabled(x.device.type):
+        return _Linear.apply(x, weight, bias, quant, x.dtype, False, rec, traced)
     plan = autocast_plan("linear", x)
-    rec = saved_record(x)  # (the packed copy another layer attached to x)
-    if plan is None:
-        return _Linear.apply(x, weight, bias, quant, x.dtype, False, rec)
-    with no_autocast(x):
-        return _Linear.apply(x, weight, bias, quant, *plan, rec)
+    return apply_without_autocast(x.device.type, traced, _Linear.apply, x, weight, bias, quant, *plan, rec,
+                                  traced)

@@ -7,8 +7,10 @@ import functools
 
 import torch
 
-from ..amp import WIDE_DTYPES as _WIDE, as_dtype, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (AffineQTensor, attach_saved, compiling, hand_on, once_differentiable,
+from ..amp import (WIDE_DTYPES as _WIDE, apply_without_autocast, as_dtype, autocast_plan, compute_dtype,
+                   fp16_autocast, no_autocast)
+from ..backend import native_ops
+from ..packed import (AffineQTensor, _tnew, attach_saved, compiling, hand_on, once_differentiable,
                       output_copy, release, save_for_backward, saved_tensors)
 
 
@@ -33,8 +35,8 @@ class _LayerNorm(torch.autograd.Function):
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16, out_packed=False):
         # (aten's LayerNorm reads a contiguous copy of a strided x, PVT's patch-embedding
         # tokens (B, C, N).transpose: taken once here, it serves the kernel that packs x too)
-        xc = as_dtype(x, cdt).contiguous()
-        w, b = _cast_params(cdt, x, weight, bias)
+        xc = (x if x.dtype is cdt else x.to(cdt)).contiguous()
+        w, b = (weight, bias) if cdt is x.dtype else _cast_params(cdt, x, weight, bias)
         y, mean, rstd = torch.native_layer_norm(xc, normalized_shape, w, b, eps)
         ctx.stats_dtype = mean.dtype
         if mean.dtype not in _WIDE:  # (CPU, fp16/bf16 parameters: statistics rounded to that
@@ -43,43 +45,62 @@ class _LayerNorm(torch.autograd.Function):
             var, mean = torch.var_mean(xc.float(), dim=dims, correction=0, keepdim=True)
             rstd = torch.rsqrt(var.add_(eps))
         # x-hat = (x - mean) * rstd in float32 or wider (normalized by the kernel as it reads x)
-        qx = quant.quantize(xc, amp16, norm=(mean, rstd))
+        qx = quant.quantize(xc, amp16, (mean, rstd), out_packed)
         save_for_backward(ctx, qx, rstd, w, b)
         ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
+        ctx.traced = out_packed
         if out_packed:  # dynamo lets attributes be set on a single-output op's result only
             y = y.view_as(y)
-        return hand_on(ctx, y, qx, out_packed)
+        # the next Mesa Linear restores y from the same bytes: x-hat * w + b; the consumer's
+        # backward restores x-hat once for both (item 0 is shared)
+        return hand_on(ctx, y, qx, out_packed, None if out_packed else _tnew(AffineQTensor, (qx, w, b)),
+                       quant, 0)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return (None,) * 9
-        xh, rstd, w, b = saved_tensors(ctx)
+        xh, rstd, w, b = saved_tensors(ctx, False, 0, ctx.traced)
         need = ctx.needs_input_grad
-        cdt = ctx.cdt
-        g = as_dtype(gy, cdt)
-        zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
-        xc = as_dtype(xh, cdt)
-        mask = [need[0], w is not None and need[2], b is not None and need[3]]
+        shape = ctx.normalized_shape
         # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
         # order that does not depend on the thread count (aten's CPU kernel sums per-thread
         # partials: another thread count changed their last bits, which stochastic rounding then
         # amplified: tests/test_determinism.py); elsewhere aten's kernel gives all three
-        own = (g.device.type == "cpu" and g.dtype in _WIDE and (mask[1] or mask[2])
-               and g.dim() > len(ctx.normalized_shape))  # (an unbatched input: nothing to sum over)
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            g, xc, ctx.normalized_shape, zero, one, w, b, [mask[0], False, False] if own else mask)
-        if own:
-            dims = tuple(range(g.dim() - len(ctx.normalized_shape)))
-            gw = (g * xc).sum(dims) if mask[1] else None
-            gb = g.sum(dims) if mask[2] else None
+        need_w, need_b = w is not None and need[2], b is not None and need[3]
+        own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
+               and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
+        native = None if ctx.traced else native_ops()
+        gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
+            gy, xh, rstd, w, b, shape, ctx.stats_dtype, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
+            *ctx.p_dtypes)
         release(xh)
-        gx = as_dtype(gx.mul_(rstd), ctx.x_dtype) if gx is not None else None
-        return (gx, None, as_dtype(gw, ctx.p_dtypes[0]), as_dtype(gb, ctx.p_dtypes[1]), None, None, None,
-                None, None)
+        return gx, None, gw, gb, None, None, None, None, None
+
+
+def layer_norm_grads(gy, xh, rstd, w, b, normalized_shape, stats_dtype, need_x: bool, need_w: bool,
+                     need_b: bool, own_sums: bool, cdt, x_dtype, w_dtype, b_dtype):
+    """(gx, gw, gb) of a LayerNorm from its stored x-hat (float32 or wider) and rstd: aten's
+    backward with mean 0 and rstd 1 (x-hat is its own normalized input) and the input gradient
+    times rstd; with ``own_sums`` the weight and bias gradients as column sums; None where not
+    needed. The specification of the extension's ``layer_norm_backward``
+    (cuda/layer_grads.cpp: the same ops in one native call), and what runs while torch.compile
+    traces."""
+    g = as_dtype(gy, cdt)
+    xc = as_dtype(xh, cdt)
+    zero, one = _unit_stats(rstd.shape, stats_dtype, rstd.device)
+    gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+        g, xc, normalized_shape, zero, one, w, b, [need_x, False, False] if own_sums else [need_x, need_w, need_b])
+    if own_sums:
+        dims = tuple(range(g.dim() - len(normalized_shape)))
+        gw = (g * xc).sum(dims) if need_w else None
+        gb = g.sum(dims) if need_b else None
+    if gx is not None:
+        gx = as_dtype(gx.mul_(rstd), x_dtype)
+    return gx, as_dtype(gw, w_dtype), as_dtype(gb, b_dtype)
 
 
 @functools.lru_cache(maxsize=32)
@@ -91,22 +112,24 @@ def _unit_stats(shape, dtype, device):
 def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor:
     """LayerNorm over the trailing ``normalized_shape`` dims of x (..., C). The output carries
     the packed x-hat (with weight and bias) for the next Mesa Linear to reuse."""
-    plan = autocast_plan("layer_norm", x)
-    cdt = x.dtype if plan is None else plan[0]
     # under torch.compile the packed x-hat comes out of the Function (dynamo keeps no Python
-    # attributes on its nodes); in eager mode it is read from the node
+    # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
+    shape = tuple(normalized_shape)
+    plan = autocast_plan("layer_norm", x)
     if plan is None:
-        y = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, cdt, False, traced)
+        cdt = x.dtype
+        y = _LayerNorm.apply(x, shape, weight, bias, eps, quant, cdt, False, traced)
     else:
-        with no_autocast(x):
-            y = _LayerNorm.apply(x, tuple(normalized_shape), weight, bias, eps, quant, *plan, traced)
-    y, qx = output_copy(y, traced, quant, cdt if cdt in _WIDE else torch.float32)
+        cdt = plan[0]
+        y = apply_without_autocast(x.device.type, traced, _LayerNorm.apply, x, shape, weight, bias, eps,
+                                   quant, *plan, traced)
+    if not traced:
+        return y
+    y, qx = output_copy(y, quant, cdt if cdt in _WIDE else torch.float32)
     if qx is None:
         return y
-    # (its backward restores x-hat too: once for both, outside torch.compile)
-    return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic,
-                        producer=None if traced else y.grad_fn)
+    return attach_saved(y, AffineQTensor(qx, *_cast_params(cdt, x, weight, bias)), quant.stochastic)
 
 
 # fewer values per channel than this (batch x spatial size): a batch norm stores its input exactly
