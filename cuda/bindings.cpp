@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "quant_api.h"
+#include "step_plan.h"
 #if defined(MESA_CUDA_EMULATION)
 #include "cuda_emulation.h"
 #endif
@@ -10,6 +11,14 @@ namespace {
 at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code); }
 
 at::ScalarType dtype_of(const py::object& dtype) { return torch::python::detail::py_object_to_dtype(dtype); }
+
+// a (B, L, H * D) token layout as its (B, H, L, D) heads (a view) where heads > 0
+at::Tensor split_heads(const at::Tensor& t, int64_t heads) {
+  if (heads <= 0) return t;
+  TORCH_CHECK(t.dim() == 3 && t.size(2) % heads == 0, "mesa restore: heads=", heads,
+              " does not split a (B, L, H * D) tensor of shape ", t.sizes());
+  return t.view({t.size(0), t.size(1), heads, t.size(2) / heads}).transpose(1, 2);
+}
 
 // one call of a *_many op: a sequence of the single op's n arguments
 py::sequence call_args(const py::handle& h, size_t n, const char* many, const char* single) {
@@ -21,10 +30,39 @@ py::sequence call_args(const py::handle& h, size_t n, const char* many, const ch
 std::optional<at::Tensor> opt_tensor(const py::handle& h) {
   return h.is_none() ? std::optional<at::Tensor>() : std::optional<at::Tensor>(h.cast<at::Tensor>());
 }
+
+// step_plan_<suffix>(kernel)(the plan's arguments): a mesa::StepPlan running `kernel`
+template <typename Kernel>
+auto make_plan(Kernel kernel) {
+  return [kernel](const at::Tensor& x, bool amp16, const std::optional<at::Tensor>& mean,
+                  const std::optional<at::Tensor>& rstd, py::object env, int64_t transposed, int64_t groups,
+                  int64_t inner, double decay, double one_minus, int64_t range_mode, int64_t bits,
+                  bool stochastic, bool mark_nonfinite, std::vector<int64_t> head_shape, py::object stored_dtype,
+                  py::object qtensor_type, py::object shape, const at::Tensor& it, const at::Tensor& draws) {
+    return mesa::StepPlan(kernel, x, amp16, mean, rstd, std::move(env), transposed, groups, inner, decay,
+                          one_minus, range_mode, bits, stochastic, mark_nonfinite, std::move(head_shape),
+                          std::move(stored_dtype), std::move(qtensor_type), std::move(shape), it, draws);
+  };
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Mesa: packed low-bit activation storage (quantize / dequantize / per-group min-max)";
+  py::class_<mesa::StepPlan>(m, "StepPlan", py::module_local())  // (each build of the extension its own)
+      .def("__call__", &mesa::StepPlan::call, py::arg("x"), py::arg("clip_val"), py::arg("shift"),
+           py::arg("iteration"), py::arg("draws"), py::arg("update"), py::arg("mix"), py::arg("mean"),
+           py::arg("rstd"), py::arg("amp16"), py::arg("env"))
+      .def("see", &mesa::StepPlan::see, "the state the quantizer left after its Python path");
+  m.def("step_plan_cpu", make_plan([](const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip,
+                                       at::Tensor shift, at::Tensor it, double decay, double one_minus,
+                                       int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
+                                       bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& mean,
+                                       const std::optional<at::Tensor>& rstd, const std::optional<at::Tensor>& head) {
+          auto r = mesa::quantize_step_cpu(x, groups, inner, clip, shift, it, decay, one_minus, range_mode, bits,
+                                           update, mix, draws, stochastic, mark_nonfinite, stochastic, mean, rstd,
+                                           head);
+          return mesa::StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r));
+        }), "the quantizer's one-call step for one input layout on the CPU kernels (mesa::StepPlan)");
   m.def("quantize_cpu", &mesa::quantize_cpu, "quantize a CPU tensor (contiguous or row-strided) to packed codes");
   m.def("dequantize_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
                              int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
@@ -37,12 +75,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
   m.def("restore_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
                           int64_t groups, int64_t inner, at::IntArrayRef shape, py::object dtype,
-                          const std::optional<at::Tensor>& head) {
-    at::Tensor out = at::empty(shape, p.options().dtype(torch::python::detail::py_object_to_dtype(dtype)));
-    return mesa::dequantize_out_cpu(p, st, sh, bits, groups, inner, out, head);
+                          const std::optional<at::Tensor>& head, int64_t heads) {
+    at::Tensor out = at::empty(shape, p.options().dtype(dtype_of(dtype)));
+    return split_heads(mesa::dequantize_out_cpu(p, st, sh, bits, groups, inner, out, head), heads);
   }, "dequantize into a new CPU tensor of the given shape and dtype (head: its exact prefix rows)",
         py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
-        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none());
+        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none(), py::arg("heads") = 0);
   m.def("lut_apply_out_cpu", &mesa::lut_apply_out_cpu,
         "out = table[group][code] (* mul): a function of a stored tensor through a per-group table",
         py::arg("packed"), py::arg("table"), py::arg("bits"), py::arg("groups"), py::arg("inner"),
@@ -71,18 +109,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                  dtype_of(x_dtype), b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
   }, "functional/linear.py's _Linear.backward after its restore: (gx, gw, gb)");
   m.def("layer_norm_backward", [](const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
+                                  const at::Tensor& zero, const at::Tensor& one,
                                   const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
-                                  std::vector<int64_t> normalized_shape, py::object stats_dtype, bool need_x,
-                                  bool need_w, bool need_b, bool own_sums, py::object cdt, py::object x_dtype,
-                                  py::object w_dtype, py::object b_dtype) {
-    return mesa::layer_norm_backward(gy, xh, rstd, w, b, normalized_shape, dtype_of(stats_dtype), need_x,
-                                     need_w, need_b, own_sums, dtype_of(cdt), dtype_of(x_dtype),
+                                  std::vector<int64_t> normalized_shape, bool need_x, bool need_w, bool need_b,
+                                  bool own_sums, py::object cdt, py::object x_dtype, py::object w_dtype,
+                                  py::object b_dtype) {
+    return mesa::layer_norm_backward(gy, xh, rstd, zero, one, w, b, normalized_shape, need_x, need_w, need_b,
+                                     own_sums, dtype_of(cdt), dtype_of(x_dtype),
                                      w_dtype.is_none() ? at::kFloat : dtype_of(w_dtype),
                                      b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
   }, "functional/norm.py's _LayerNorm.backward after its restore: (gx, gw, gb)");
-  m.def("gelu_f64", [](const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
-                       py::object dtype) { return mesa::gelu_f64(x, grad, approximate, dtype_of(dtype)); },
-        "GELU of x (with grad: grad * GELU'(x)) computed in float64, rounded to dtype");
+  m.def("gelu_table", [](const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
+                         py::object dtype) { return mesa::gelu_table(x, grad, approximate, dtype_of(dtype)); },
+        "GELU of x (with grad: grad * GELU'(x)) in dtype (on the CPU computed in float64)");
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA
@@ -111,13 +150,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
         py::arg("inner"), py::arg("out"), py::arg("head") = py::none());
   m.def("restore_cuda", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
-                           int64_t groups, int64_t inner, at::IntArrayRef shape, py::object dtype,
-                           const std::optional<at::Tensor>& head) {
-    at::Tensor out = at::empty(shape, p.options().dtype(torch::python::detail::py_object_to_dtype(dtype)));
-    return mesa::dequantize_out_cuda(p, st, sh, bits, groups, inner, out, head);
+                          int64_t groups, int64_t inner, at::IntArrayRef shape, py::object dtype,
+                          const std::optional<at::Tensor>& head, int64_t heads) {
+    at::Tensor out = at::empty(shape, p.options().dtype(dtype_of(dtype)));
+    return split_heads(mesa::dequantize_out_cuda(p, st, sh, bits, groups, inner, out, head), heads);
   }, "dequantize into a new tensor of the given shape and dtype on packed's device",
         py::arg("packed"), py::arg("step"), py::arg("shift"), py::arg("bits"), py::arg("groups"),
-        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none());
+        py::arg("inner"), py::arg("shape"), py::arg("dtype"), py::arg("head") = py::none(), py::arg("heads") = 0);
   m.def("lut_apply_out_cuda", &mesa::lut_apply_out_cuda,
         "out = table[group][code] (* mul) on CUDA", py::arg("packed"), py::arg("table"),
         py::arg("bits"), py::arg("groups"), py::arg("inner"), py::arg("out"), py::arg("mul") = py::none(),
@@ -148,6 +187,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stochastic"), py::arg("mark_nonfinite"), py::arg("prefix_of_mix") = false,
         py::arg("row_mean") = py::none(), py::arg("row_rstd") = py::none(),
         py::arg("head") = py::none());
+  m.def("step_plan_cuda", make_plan([](const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip,
+                                        at::Tensor shift, at::Tensor it, double decay, double one_minus,
+                                        int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
+                                        bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& mean,
+                                        const std::optional<at::Tensor>& rstd, const std::optional<at::Tensor>& head) {
+          auto r = mesa::quantize_step_cuda(x, groups, inner, clip, shift, it, decay, one_minus, range_mode, bits,
+                                            update, mix, draws, stochastic, mark_nonfinite, stochastic, mean, rstd,
+                                            head);
+          return mesa::StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::nullopt, std::get<3>(r));
+        }), "the quantizer's one-call step for one input layout on the CUDA kernels (mesa::StepPlan)");
   m.def("quantize_step_many_cuda",
         [](const py::list& calls) {
           std::vector<mesa::StepArgs> args;

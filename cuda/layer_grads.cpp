@@ -77,20 +77,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
 }
 
 // functional/norm.py's _LayerNorm.backward after its restore: xh the stored x-hat (float32 or
-// wider), rstd the forward's statistics; aten's backward with mean 0 and rstd 1 of `stats_dtype`
-// (x-hat is its own normalized input), the input gradient times rstd; with `own_sums` (CPU,
+// wider), rstd the forward's statistics; aten's backward with mean `zero` and rstd `one` (x-hat is
+// its own normalized input), the input gradient times rstd; with `own_sums` (CPU,
 // float32/64) the weight / bias gradients as column sums in an order that does not depend on the
 // thread count. Returns (gx, gw, gb), undefined where not needed.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
-    const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
-    at::IntArrayRef normalized_shape, at::ScalarType stats_dtype, bool need_x, bool need_w,
-    bool need_b, bool own_sums, at::ScalarType cdt, at::ScalarType x_dtype,
-    at::ScalarType w_dtype, at::ScalarType b_dtype) {
+    const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd, const at::Tensor& zero,
+    const at::Tensor& one, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+    at::IntArrayRef normalized_shape, bool need_x, bool need_w, bool need_b, bool own_sums,
+    at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType w_dtype, at::ScalarType b_dtype) {
   const at::Tensor g = as_type(gy, cdt);
   const at::Tensor xc = as_type(xh, cdt);
-  const at::TensorOptions so = rstd.options().dtype(stats_dtype);
-  const at::Tensor zero = at::zeros(rstd.sizes(), so), one = at::ones(rstd.sizes(), so);
   auto r = at::native_layer_norm_backward(g, xc, normalized_shape, zero, one, w, b,
                                           {need_x, own_sums ? false : need_w, own_sums ? false : need_b});
   at::Tensor gx = std::get<0>(r), gw = std::get<1>(r), gb = std::get<2>(r);
@@ -104,17 +101,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   return {gx, as_type(gw, w_dtype), as_type(gb, b_dtype)};
 }
 
-// GELU of x, or with `grad` its backward (grad * GELU'(x)), computed in float64 and rounded once
-// to `dtype`: the tables of GELU / GELU' at the 2^bits levels of each group that a Mesa GELU's
-// packed input is restored through, and its exact prefix rows. (Float64 takes ATen's own kernels
-// on every device: float32 GELU on the CPU goes to a library primitive whose set-up costs ~6 us
-// a call, for tables of a few hundred values made in every backward.)
-at::Tensor gelu_f64(const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
-                    at::ScalarType dtype) {
+// GELU of x, or with `grad` its backward (grad * GELU'(x)), in `dtype`: the tables of GELU / GELU'
+// at the 2^bits levels of each group that a Mesa GELU's packed input is restored through, and its
+// exact prefix rows. On the CPU computed in float64 and rounded once (ATen's own kernel: float32
+// GELU there goes to a library primitive whose set-up costs ~6 us a call, for tables of a few
+// hundred values made in every backward); elsewhere in x's dtype, one kernel each.
+at::Tensor gelu_table(const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
+                      at::ScalarType dtype) {
+  const bool has_grad = grad.has_value() && grad->defined();
+  if (!x.device().is_cpu())
+    return as_type(has_grad ? at::gelu_backward(*grad, x, approximate) : at::gelu(x, approximate), dtype);
   const at::Tensor x64 = x.to(at::kDouble);
-  const at::Tensor t = grad.has_value() && grad->defined()
-                           ? at::gelu_backward(grad->to(at::kDouble), x64, approximate)
-                           : at::gelu(x64, approximate);
+  const at::Tensor t = has_grad ? at::gelu_backward(grad->to(at::kDouble), x64, approximate)
+                                : at::gelu(x64, approximate);
   return t.to(dtype);
 }
 

@@ -191,6 +191,18 @@ inline HeadRows head_rows_of(const char* op, const std::optional<at::Tensor>& he
   return r;
 }
 
+// A contiguous tensor of `dtype` and `sizes` over `base`'s storage from element `offset` (of
+// dtype) on, made without a dispatch (a new TensorImpl sharing the storage): the parts of one
+// allocation a kernel returns (the codes, the range rows, step and shift).
+inline at::Tensor storage_view(const at::Tensor& base, at::ScalarType dtype, int64_t offset,
+                               at::IntArrayRef sizes) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(),
+                                                   caffe2::TypeMeta::fromScalarType(dtype));
+  impl->set_sizes_contiguous(sizes);
+  impl->set_storage_offset(offset);
+  return at::Tensor(std::move(impl));
+}
+
 // ---- the stochastic-rounding seed (= mesa_ops.ops.make_seed), host side ----------------------
 inline uint64_t splitmix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -265,13 +277,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
     const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& c, bool need_x,
     bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType b_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
-    const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
-    at::IntArrayRef normalized_shape, at::ScalarType stats_dtype, bool need_x, bool need_w,
-    bool need_b, bool own_sums, at::ScalarType cdt, at::ScalarType x_dtype,
-    at::ScalarType w_dtype, at::ScalarType b_dtype);
-at::Tensor gelu_f64(const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
-                    at::ScalarType dtype);
+    const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd, const at::Tensor& zero,
+    const at::Tensor& one, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,
+    at::IntArrayRef normalized_shape, bool need_x, bool need_w, bool need_b, bool own_sums,
+    at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType w_dtype, at::ScalarType b_dtype);
+at::Tensor gelu_table(const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
+                      at::ScalarType dtype);
 
 #ifdef MESA_WITH_CUDA
 // The CUDA kernels (quant_cuda.cu): the CPU ops' twins, same arguments and results, for tensors

@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -272,15 +273,16 @@ void group_minmax_into(const at::Tensor& x, int64_t groups, int64_t inner, float
   // one slot of G values per thread, padded to 64 bytes so threads never share a cache line
   const int64_t slot = (groups + 15) / 16 * 16;
   const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> mins(static_cast<size_t>(nthreads * slot), inf);
-  std::vector<float> maxs(static_cast<size_t>(nthreads * slot), -inf);
-  std::vector<uint32_t> bad(static_cast<size_t>(nthreads * slot), 0u);
+  // (small-buffer vectors: the usual few groups and threads take no heap allocation)
+  c10::SmallVector<float, 64> mins(static_cast<size_t>(nthreads * slot), inf);
+  c10::SmallVector<float, 64> maxs(static_cast<size_t>(nthreads * slot), -inf);
+  c10::SmallVector<uint32_t, 64> bad(static_cast<size_t>(nthreads * slot), 0u);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, xr.scalar_type(), "mesa_group_minmax_cpu", [&] {
     const Rows<scalar_t> rows{xr.data_ptr<scalar_t>(), row_len, row_stride};
     const int64_t grain = std::max<int64_t>(1, 32768 / inner);
     at::parallel_for(0, segments, grain, [&](int64_t s0, int64_t s1) {
-      std::vector<float> mn(static_cast<size_t>(groups), inf), mx(static_cast<size_t>(groups), -inf);
-      std::vector<uint32_t> bd(static_cast<size_t>(groups), 0u);
+      c10::SmallVector<float, 16> mn(static_cast<size_t>(groups), inf), mx(static_cast<size_t>(groups), -inf);
+      c10::SmallVector<uint32_t, 16> bd(static_cast<size_t>(groups), 0u);
       const bool norm = rn.mean != nullptr;
 #if defined(__AVX2__)
       // whole segments of 8 go through per-group vector accumulators
@@ -391,7 +393,7 @@ bool range_update_into(const at::Tensor& x, int64_t groups, int64_t inner, at::T
                        float* o, const RowNorm& rn = RowNorm()) {
   check_range_args("range_update", clip_val, shift, iteration, groups, range_mode, x.device());
   check_bits("range_update", bits);
-  std::vector<float> lo(static_cast<size_t>(groups)), hi(static_cast<size_t>(groups));
+  c10::SmallVector<float, 16> lo(static_cast<size_t>(groups)), hi(static_cast<size_t>(groups));
   group_minmax_into(x, groups, inner, lo.data(), hi.data(), rn);
   bool finite = true;
   for (int64_t g = 0; g < groups; ++g) {
@@ -623,7 +625,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
                                               prefix_of_mix ? generator_fingerprint_cpu() : 0,
                                               update)
                                    : 0;
-  auto params = at::empty({4, groups}, x.options().dtype(at::kFloat));
+  // one allocation for the (4, G) rows and the codes after them; the tensors returned are views
+  // of it made without a dispatch (one storage: a saved copy is counted once, as before)
+  const int64_t per = 8 / bits;
+  const int64_t nbytes = (x.numel() + per - 1) / per;
+  const at::Tensor block = at::empty({16 * groups + nbytes}, x.options().dtype(at::kByte));
+  const at::Tensor params = storage_view(block, at::kFloat, 0, {4, groups});
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
                                         one_minus_decay, range_mode, bits, update, o, rn);
@@ -631,11 +638,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
   }
-  auto packed = packed_for(x, bits);
+  const at::Tensor packed = storage_view(block, at::kByte, 16 * groups, {nbytes});
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>(), rn);
   take_head(x, inner, rn, hr);
-  return {packed, params.select(0, 1), params.select(0, 2), finite, params};
+  return {packed, storage_view(block, at::kFloat, groups, {groups}),
+          storage_view(block, at::kFloat, 2 * groups, {groups}), finite, params};
 }
 
 }  // namespace mesa

@@ -78,11 +78,15 @@ class SDPA(nn.Module):
 
     def reruns_forward(self) -> bool:
         """Whether the fused kernels' backward reruns the forward (see ``consistent_backward``):
-        never when q, k and v are all stored exactly (the forward's logsumexp is theirs)."""
-        stored = [q for q in (self.quant_q, self.quant_k, self.quant_v) if q.enable]
+        never when q, k and v are all stored exactly (the forward's logsumexp is theirs). (Asked
+        once per forward: the quantizers read from ``_modules``, no generator.)"""
+        m = self._modules
+        q, k, v = m["quant_q"], m["quant_k"], m["quant_v"]
         if self.consistent_backward is not None:
-            return bool(self.consistent_backward) and bool(stored)
-        return any(q.range_mode == "ema" or q.bits < 8 for q in stored)
+            return bool(self.consistent_backward) and (q.enable or k.enable or v.enable)
+        return ((q.enable and (q.range_mode == "ema" or q._bits < 8))
+                or (k.enable and (k.range_mode == "ema" or k._bits < 8))
+                or (v.enable and (v.range_mode == "ema" or v._bits < 8)))
 
     def update_quantization_parameter(self, **parameters):
         return update_quantization_parameter(self, **parameters)
@@ -101,8 +105,15 @@ class SDPA(nn.Module):
 
     def active(self, *tensors) -> bool:
         """Whether a forward on ``tensors`` would compress (training, a quantizer on, grad needed)."""
-        return (self.training and any(getattr(self, q).enable for q in QUANTIZERS)
-                and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+        if not (self.training and torch.is_grad_enabled()):
+            return False
+        m = self._modules
+        if not (m["quant_q"].enable or m["quant_k"].enable or m["quant_v"].enable or m["quant_o"].enable):
+            return False
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+        return False
 
     def forward(self, q, k, v, attn_mask: Optional[torch.Tensor] = None, scale: Optional[float] = None,
                 window_mask: Optional[torch.Tensor] = None, merge_heads: bool = False):

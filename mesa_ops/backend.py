@@ -286,6 +286,21 @@ def _extension(kind: str):
         return exc
 
 
+# dicts of backends chosen from the cached ones above (mesa_ops.packed's backend of each kind of
+# restore), emptied with them by clear_caches
+DEPENDENT_CACHES: list = []
+
+
+def clear_caches() -> None:
+    """Forget the built extensions, the backends made of them and every choice made from those
+    (a test that builds or fails to build another: the next use loads them again)."""
+    _extension.cache_clear()
+    _extension_backend.cache_clear()
+    _CHECKED.clear()
+    for cache in DEPENDENT_CACHES:
+        cache.clear()
+
+
 def _cpu_extension():
     """The C++ extension, or None (with one warning) when it cannot be built."""
     ext = _extension("cpu")
@@ -337,9 +352,16 @@ class _Extension:
         #     where the calls can share one (the q, k, v of an attention: at most 3, one dtype)
         self.quantize_step = getattr(ext, f"quantize_step_{suffix}")
         self.dequantize_out = getattr(ext, f"dequantize_out_{suffix}")
-        # restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None) -> a new
-        # tensor of shape and dtype (dequantize_out into it: one call, no Python-side empty/view)
+        # restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None, heads=0) -> a
+        # new tensor of shape and dtype (dequantize_out into it: one call, no Python-side
+        # empty/view); with heads a (B, L, H * D) one as its (B, H, L, D) view
         self.restore = getattr(ext, f"restore_{suffix}")
+        # step_plan(x, amp16, mean, rstd, env, transposed, groups, inner, decay, one_minus_decay,
+        #           range_mode, bits, stochastic, mark_nonfinite, head_shape, stored dtype, QTensor,
+        #           shape, iteration, draws) -> a native step for inputs laid out as x
+        #           (cuda/step_plan.h), called (x, clip_val, shift, iteration, draws, update, mix,
+        #           mean, rstd, amp16, env) -> (QTensor, rows or None), or None where it does not apply
+        self.step_plan = getattr(ext, f"step_plan_{suffix}")
         self.quantize_step_many = getattr(ext, f"quantize_step_many_{suffix}", None) or self._steps
         self.dequantize_out_many = getattr(ext, f"dequantize_out_many_{suffix}", None) or self._restores
         # (several calls in one launch: the CUDA kernels; the CPU ones take a call each, which
@@ -369,6 +391,7 @@ class _FakeKernels:
 
     name = "fake"
     has_quantize_step = has_dequantize_out = has_many = True
+    step_plan = None  # (the quantizer's Python path: these signatures)
 
     @staticmethod
     def quantize(x, inv, shift, bits, groups, inner, seed, stochastic=True):
@@ -405,8 +428,9 @@ class _FakeKernels:
         return out
 
     @staticmethod
-    def restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None):
-        return _new_empty(packed, shape, dtype)
+    def restore(packed, step, shift, bits, groups, inner, shape, dtype, head=None, heads=0):
+        out = _new_empty(packed, shape, dtype)
+        return out.unflatten(2, (heads, -1)).transpose(1, 2) if heads else out
 
     @staticmethod
     def lut_apply_out(packed, table, bits, groups, inner, out, mul=None, head=None):

@@ -20,7 +20,8 @@ from torch.autograd import function as _autograd_function
 
 from . import nonfinite, ops, reference
 from .compat import current_graph_task_id
-from .backend import BACKEND_VAR, ENV_VARS, forced_backend, get_backend, kernel_for, native_ops
+from .backend import (BACKEND_VAR, DEPENDENT_CACHES, ENV_VARS, forced_backend, get_backend, kernel_for,
+                      native_ops)
 
 # compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
 # name, not a wrapper around it (it runs several times per layer, each call a Python frame)
@@ -92,6 +93,7 @@ class QTensor(NamedTuple):
 
 # (kind of tensor, device, dtype, bits, MESA_BACKEND) -> the backend restoring such copies
 _RESTORERS: dict = {}
+DEPENDENT_CACHES.append(_RESTORERS)  # (emptied with the backends it caches: backend.clear_caches)
 
 
 def restorer(packed: torch.Tensor, dtype: torch.dtype, bits: int):
@@ -107,13 +109,14 @@ def restorer(packed: torch.Tensor, dtype: torch.dtype, bits: int):
 
 
 def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head: torch.Tensor | None,
-            meta: tuple, traced: bool = False, ws: bool = False) -> torch.Tensor:
+            meta: tuple, traced: bool = False, ws: bool = False, heads: int = 0) -> torch.Tensor:
     """The tensor a packed copy stores (``meta``: :meth:`QTensor.meta`), its exact prefix rows
-    ``head`` (or None) written over the dequantized ones: one ``dequantize_out`` call into a new
-    tensor, or with ``ws`` (a backward that records no graph) into a workspace buffer where
-    page faults would cost (:data:`WORKSPACE_MIN_BYTES`); the reference's op while ``traced``
-    (torch.compile) or where the backend has no such call. Runs once per restored activation:
-    no further Python call on the usual path."""
+    ``head`` (or None) written over the dequantized ones: one ``restore`` call into a new tensor,
+    or with ``ws`` (a backward that records no graph) into a workspace buffer where page faults
+    would cost (:data:`WORKSPACE_MIN_BYTES`); the reference's op while ``traced``
+    (torch.compile) or where the backend has no such call. With ``heads`` a (B, L, H * D)
+    token layout comes back as its (B, H, L, D) heads (a view). Runs once per restored
+    activation: no further Python call on the usual path."""
     shape, dtype, bits, groups, inner, transposed = meta
     if traced:
         be = None
@@ -124,24 +127,38 @@ def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head:
         if be is None:
             be = restorer(packed, dtype, bits)
     if be is None or not be.has_dequantize_out:
-        return with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
-                                                shape.numel(), dtype), shape, transposed), head)
+        out = with_head(_shaped(ops.dequantize(packed, step, shift, bits, groups, inner,
+                                               shape.numel(), dtype), shape, transposed), head)
+        return split_heads(out, heads) if heads else out
     # the kernel writes the exact rows (of a copy stored in x's order: not across a transpose)
     kh = head if head is not None and not transposed and head.dtype is dtype else None
     numel = shape.numel()
     if not (ws and packed.is_cpu and numel * dtype.itemsize >= WORKSPACE_MIN_BYTES):
-        if not transposed:  # (a new tensor of x's shape, in one call)
-            out = be.restore(packed, step, shift, bits, groups, inner, shape, dtype, kh)
-            return out if kh is not None or head is None else with_head(out, head)
+        if not transposed and (kh is not None or head is None):  # (a new tensor, in one call)
+            return be.restore(packed, step, shift, bits, groups, inner, shape, dtype, kh, heads)
         flat, buf = torch.empty(numel, dtype=dtype, device=packed.device), None
     else:
         flat, buf = _workspace().acquire(numel, dtype, packed.device)
     be.dequantize_out(packed, step, shift, bits, groups, inner, flat, kh)
     if transposed:
-        return with_head(_shaped(flat, shape, transposed), head)
-    out = flat.view(shape)
-    out._mesa_ws = buf
-    return out if kh is not None or head is None else with_head(out, head)
+        out = with_head(_shaped(flat, shape, transposed), head)
+    else:
+        out = flat.view(shape)
+        out._mesa_ws = buf
+        if kh is None and head is not None:
+            out = with_head(out, head)
+    return split_heads(out, heads) if heads else out
+
+
+def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A (B, L, H * D) token layout as its (B, H, L, D) heads (a view that carries the workspace
+    buffer ``t`` came in, if any: :func:`release` of the view hands it back)."""
+    out = t.unflatten(2, (heads, -1)).transpose(1, 2)
+    buf = getattr(t, "_mesa_ws", None)
+    if buf is not None:
+        out._mesa_ws, t._mesa_ws = buf, None
+        out._mesa_boxed = getattr(t, "_mesa_boxed", False)
+    return out
 
 
 def _restore_call(tensors, meta):
@@ -211,27 +228,27 @@ def _affine(out: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -
     return out
 
 
-def gelu_f64(x: torch.Tensor, approximate: str, grad: torch.Tensor | None = None,
-             traced: bool | None = None) -> torch.Tensor:
-    """GELU of ``x`` (with ``grad``: its backward, grad * GELU'(x)) computed in float64 and
-    rounded once to ``x``'s dtype (``grad``'s with a grad): the tables of GELU and GELU' at the
-    2^bits values of each group that a Mesa GELU's packed input is restored through, and its
-    exact prefix rows (float64 takes ATen's own kernels on every device, where float32 GELU on
-    the CPU goes to a library primitive with ~6 us of set-up per call). The extension's
-    ``gelu_f64`` in eager mode, these ops while torch.compile traces (``traced``; None to ask)
-    or without the extension."""
-    native = None if (compiling() if traced is None else traced) else native_ops()
+def gelu_table(x: torch.Tensor, approximate: str, grad: torch.Tensor | None = None, native=None) -> torch.Tensor:
+    """GELU of ``x`` (with ``grad``: its backward, grad * GELU'(x)) in ``x``'s dtype (``grad``'s
+    with a grad): the tables of GELU and GELU' at the 2^bits values of each group that a Mesa
+    GELU's packed input is restored through, and its exact prefix rows. On the CPU computed in
+    float64 and rounded once (ATen's own kernel: float32 GELU there goes to a library primitive
+    with ~6 us of set-up per call), elsewhere in the dtype itself (one kernel). ``native``: the
+    extension's composites (:func:`~mesa_ops.backend.native_ops`: the same ops in one call), or
+    None for these ops (while torch.compile traces, or without the extension)."""
     dtype = x.dtype if grad is None else grad.dtype
     if native is not None:
-        return native.gelu_f64(x, grad, approximate, dtype)
-    x64 = x.double()
+        return native.gelu_table(x, grad, approximate, dtype)
+    if x.device.type == "cpu":
+        x, grad = x.double(), None if grad is None else grad.double()
     if grad is None:
-        return torch.nn.functional.gelu(x64, approximate=approximate).to(dtype)
-    return torch.ops.aten.gelu_backward(grad.double(), x64, approximate=approximate).to(dtype)
+        return torch.nn.functional.gelu(x, approximate=approximate).to(dtype)
+    return torch.ops.aten.gelu_backward(grad, x, approximate=approximate).to(dtype)
 
 
-# elementwise functions a stored tensor can be restored through: name -> f(values, *args, traced)
-TABLE_FNS = {"gelu": lambda x, approximate, traced=None: gelu_f64(x, approximate, None, traced)}
+# elementwise functions a stored tensor can be restored through: name -> f(values, *args, native)
+# (native: the extension's composites or None, as gelu_table takes them)
+TABLE_FNS = {"gelu": lambda x, approximate, native=None: gelu_table(x, approximate, None, native)}
 
 
 @_over_q
@@ -254,9 +271,11 @@ class MappedQTensor(NamedTuple):
         step, shift = tensors[1], tensors[2]
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
-        table = TABLE_FNS[name](levels(step, shift, bits, dtype, traced), *args, traced=traced)
+        traced = compiling() if traced is None else traced
+        native = None if traced else native_ops()
+        table = TABLE_FNS[name](levels(step, shift, bits, dtype, traced), *args, native=native)
         # the exact prefix rows, through f itself
-        head = (TABLE_FNS[name](tensors[3], *args, traced=traced)
+        head = (TABLE_FNS[name](tensors[3], *args, native=native)
                 if len(tensors) > 3 and tensors[3] is not None else None)
         return apply_table(tensors[:3], meta[:6], table, head=head, traced=traced)
 
@@ -613,7 +632,7 @@ def _matches(qt: QTensor, version, stochastic: bool, t: torch.Tensor, quant, dty
         return False
     if isinstance(quant, int):
         return qt.bits == quant
-    if qt.bits != quant.bits or stochastic != bool(quant.stochastic):
+    if qt.bits != quant._bits or stochastic != bool(quant.stochastic):
         return False
     if (qt.transposed and quant.group_dim != "channel") or qt.transposed == CHANNELS_LAST:
         return False
@@ -666,14 +685,19 @@ def save_for_backward(ctx, *items) -> None:
     ctx.mesa_layout = layout
 
 
-def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bool = False) -> list:
+def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bool | None = None,
+                  heads: int = 0, head_items: int = 0) -> list:
     """The items given to :func:`save_for_backward`, packed copies restored. With
     ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
     bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
     smaller tensor). An item shared with another backward (:class:`Share`) is restored once.
     The QTensors among the first ``together`` items (an attention's q, k, v) are restored by
-    one call where the backend has one (:meth:`QTensor.restore_many`). ``traced``:
-    torch.compile traces this backward (as its forward knew): restored by the registered ops."""
+    one call where the backend has one (:meth:`QTensor.restore_many`). The packed copies among
+    the first ``head_items`` come back as ``heads`` (B, H, L, D) heads of their (B, L, H * D)
+    token layout (an attention's q, k, v and output). ``traced``: torch.compile traces this
+    backward (as its forward knew; None to ask): restored by the registered ops."""
+    if traced is None:
+        traced = compiling()
     flat = ctx.saved_tensors
     if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
         nonfinite.on_backward()
@@ -681,7 +705,8 @@ def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bo
     # a backward that records no graph (create_graph=False): workspace buffers, shared copies
     ws = not traced and not torch.is_grad_enabled() and _graph_task_id() != -1
     layout = ctx.mesa_layout
-    early = _restored_together(flat, layout, together, share, traced) if together else None
+    early = _restored_together(flat, layout, together, share, traced, heads if together <= head_items else 0) \
+        if together else None
     out = []
     for j, (kind, i, meta) in enumerate(layout):
         if kind is None:
@@ -691,9 +716,12 @@ def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bo
         elif share is not None and j == share[0] and (
                 kind is QTensor or (split_affine and kind is AffineQTensor)):
             x = _shared_restore(ctx, share, flat, i, meta, traced, ws)  # read-only: never modified
+            if j < head_items:
+                x = split_heads(x, heads)
             out.append(x if kind is QTensor else (x, flat[i + 4], flat[i + 5]))
         elif kind is QTensor:
-            out.append(restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws))
+            out.append(restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws,
+                               heads if j < head_items else 0))
         elif kind is AffineQTensor:
             x = restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws)
             out.append((x, flat[i + 4], flat[i + 5]) if split_affine else _affine(x, flat[i + 4], flat[i + 5]))
@@ -702,7 +730,7 @@ def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bo
     return out
 
 
-def _restored_together(flat, layout, together: int, share, traced: bool):
+def _restored_together(flat, layout, together: int, share, traced: bool, heads: int):
     """{item: restored tensor} of the QTensors among the first ``together`` items, restored by
     one call (:meth:`QTensor.restore_many`), or None where their backend makes one call each."""
     many = [j for j in range(min(together, len(layout))) if layout[j][0] is QTensor
@@ -712,8 +740,8 @@ def _restored_together(flat, layout, together: int, share, traced: bool):
     first = layout[many[0]]
     if not getattr(restorer(flat[first[1]], first[2][1], first[2][2]), "has_many", False):
         return None
-    return dict(zip(many, QTensor.restore_many([(flat[layout[j][1]:layout[j][1] + 4], layout[j][2])
-                                                for j in many], traced)))
+    done = QTensor.restore_many([(flat[layout[j][1]:layout[j][1] + 4], layout[j][2]) for j in many], traced)
+    return dict(zip(many, [split_heads(t, heads) for t in done] if heads else done))
 
 
 def _shared_restore(ctx, share, flat, i: int, meta, traced: bool, ws: bool) -> torch.Tensor:

@@ -287,6 +287,23 @@ class QuantMixin:
             with torch.no_grad():
                 return self.quantize(x, amp16, norm, traced)
         if not (compiling() if traced is None else traced):
+            plan = self.__dict__.get("_qplan")
+            native = None if plan is None else plan.native
+            if native is not None:  # (the one native call: None where it does not apply)
+                update = _graph_task_id() == -1 or _updates_range()
+                if not (update and plan.sync and (_C10D_WORLD is None or _C10D_WORLD._default_pg is not None)
+                        and ops.dist_world() > 1):
+                    b = self._buffers
+                    mix = 0 if not plan.stochastic else ops.SIGNED_MIX.get(plan.salt)
+                    got = native(x, b["clip_val"], b["shift"], b["iteration"], b["draws"], update,
+                                 ops.signed_salt_mix(plan.salt) if mix is None else mix,
+                                 None if norm is None else norm[0], None if norm is None else norm[1], amp16,
+                                 _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else forced_backend())
+                    if got is not None:
+                        q, rows = got
+                        if rows is not None:  # (a non-finite activation: the CPU's flag, or CUDA's rows)
+                            ops.report_nonfinite(rows[3], None, plan.mode, self, x)
+                        return q if q[9] is not None or not self.prefix_tokens else self._with_prefix(q, x, norm)
             call = self._step_call(x, amp16, norm)
             if call is not None:
                 q = self._step_result(call[0].quantize_step(*call[1]), call[2])
@@ -363,7 +380,7 @@ class QuantMixin:
         be = kernel_for(get_backend(x), x, x.dtype, self._bits)
         sync = bool(self.dist_sync)
         if not getattr(be, "has_quantize_step", False):  # (the reference: the general path)
-            plan = _StepPlan(key, None, None, 0, 0, 0, None, None, "", (), False, None, sync)
+            plan = _StepPlan(key, None, None, 0, 0, 0, None, None, "", (), False, None, sync, None)
         else:
             range_code = self._range_code()
             self._state()  # (float32 running estimates)
@@ -372,17 +389,23 @@ class QuantMixin:
                 xn = _normalized(x, norm)  # (its layout follows from x's: the same for the same key)
                 sub = self._step_plan(xn, amp16, None, (xn.shape, xn.stride(), xn.dtype, xn.device, amp16,
                                                         key[5], None))
-                plan = _StepPlan(key, be, sub, 0, 0, 0, None, None, "", (), False, None, sync)
+                plan = _StepPlan(key, be, sub, 0, 0, 0, None, None, "", (), False, None, sync, None)
             else:
                 p = 0 if transposed else prefix_rows(xs.shape, self.prefix_tokens)
                 d = float(self.ema_decay)
                 stochastic = bool(self.stochastic)
                 # (the head's shape a tuple of ints: torch.empty parses it faster than a torch.Size)
-                plan = _StepPlan(key, be, None, transposed, g, inner,
-                                 tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None,
-                                 x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16),
+                head_shape = tuple(xs.shape[:-2]) + (p, xs.shape[-1]) if p else None
+                dtype, mode = x.dtype if norm is None else torch.float32, self._nonfinite_mode(amp16)
+                native = getattr(be, "step_plan", None)
+                if native is not None:  # (the same call in one native step: mesa::StepPlan)
+                    native = native(x, amp16, None if norm is None else norm[0], None if norm is None else norm[1],
+                                    key[5], transposed, g, inner, d, 1.0 - d, range_code, self._bits, stochastic,
+                                    mode == "skip", list(head_shape or ()), dtype, QTensor, x.shape,
+                                    self._buffers["iteration"], self._draws)
+                plan = _StepPlan(key, be, None, transposed, g, inner, head_shape, dtype, mode,
                                  (d, 1.0 - d, range_code, self._bits), stochastic,
-                                 self._salt() if stochastic else None, sync)
+                                 self._salt() if stochastic else None, sync, native)
         self.__dict__["_qplan"] = plan
         return plan
 
@@ -461,6 +484,8 @@ class QuantMixin:
         packed, step, sh, finite, rows = result
         xs, it, draws, plan, shape, head = info
         self.__dict__["_it_seen"] = (it, it._version, draws, draws._version)  # (_seen_iteration)
+        if plan.native is not None:  # (and the native step's, which checks it before each call)
+            plan.native.see(it, draws)
         if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
             ops.report_nonfinite(rows[3], finite, plan.mode, self, xs)
         return _tnew(QTensor, (packed, step, sh, shape, plan.dtype, plan.consts[3], plan.groups,
@@ -549,7 +574,9 @@ class _StepPlan(NamedTuple):
     ``be`` None where the general path applies; ``xhat`` the plan of x-hat where torch normalizes
     first; else the stored layout code, G, inner, the exact prefix rows' shape (or None), the
     stored dtype, the nonfinite mode, (decay, 1 - decay, range code, bits), rounding and the
-    salt; ``sync``: the range statistics all-reduced across ranks (dist_sync)."""
+    salt; ``sync``: the range statistics all-reduced across ranks (dist_sync); ``native``: the
+    backend's native step for this layout (cuda/step_plan.h: it checks the layout and state and
+    makes the same call, in one call from :meth:`QuantMixin.quantize`), or None."""
     key: tuple
     be: object
     xhat: "_StepPlan | None"
@@ -563,6 +590,7 @@ class _StepPlan(NamedTuple):
     stochastic: bool
     salt: int | None
     sync: bool
+    native: object  # the same call as one native step (mesa::StepPlan: the extension's), or None
 
 
 def quantize_many(pairs, amp16: bool = False, traced: bool | None = None) -> list:

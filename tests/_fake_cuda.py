@@ -237,9 +237,10 @@ def counting_host_syncs():
 # quantize_kernel, only on a device without cooperative launches or while a CUDA graph is
 # captured); quantize_step_many = the same kernel for up to 3 tensors of one dtype (the q, k, v of
 # an attention), dequantize_out_many = dequantize_many_kernel (tests/test_cuda_emulation.py
-# checks both are one launch); group_minmax / range_update = minmax_kernel
+# checks both are one launch); restore = dequantize_kernel into a new tensor; group_minmax /
+# range_update = minmax_kernel
 MESA_KERNEL_LAUNCHES = {"quantize_step": 1, "quantize_step_many": 1, "dequantize_out_many": 1, "quantize": 1, "dequantize": 1, "dequantize_out": 1,
-                        "lut_apply_out": 1, "levels": 1, "group_minmax": 1, "range_update": 1}
+                        "restore": 1, "lut_apply_out": 1, "levels": 1, "group_minmax": 1, "range_update": 1}
 _NO_LAUNCH = ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach",
               "_unsafe_view", "lift_fresh", "alias")  # allocations and aliases
 

@@ -127,9 +127,10 @@ def unique_bytes(*tensors):
 
 
 def scale_bytes(groups):
-    """Bytes of the per-group fp32 step and shift a packed copy keeps (the quantizer may keep
-    them as rows of one small (k, G) float32 tensor): 'tiny', at most 16 bytes per group."""
+    """Bytes of the per-group fp32 step and shift a packed copy keeps besides its codes (the
+    quantizer may keep them as rows of one small (k, G) float32 tensor, in the codes' own
+    allocation or apart): 'tiny', at most 16 bytes per group."""
     qt = ms.Quantizer(groups, enable=True).quantize(torch.randn(2, 3, groups))
-    nbytes = unique_bytes(qt.step, qt.shift)
+    nbytes = unique_bytes(qt.packed, qt.step, qt.shift) - qt.packed.numel()
     assert 8 * groups <= nbytes <= 16 * groups, nbytes
     return nbytes

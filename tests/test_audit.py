@@ -23,9 +23,11 @@ def test_audit_attributes_and_classifies_saved_tensors():
     lines = []
     report = ms.audit(model, x, verbose=lines.append)
     rows = {r.name: r for r in report.modules}
-    # Mesa Linear: uint8 codes (8 * 16 bytes) + its per-group step and shift, all "compressed"
+    # Mesa Linear: uint8 codes (8 * 16 bytes) + its per-group step and shift (16 bytes per
+    # group at most, in the codes' allocation or apart), all "compressed"
     assert rows["0"].packed_bytes == rows["0"].bytes
-    assert any(t.dtype == "uint8" and t.bytes == 8 * 16 for t in rows["0"].tensors)
+    assert any(t.dtype == "uint8" and 8 * 16 <= t.bytes <= 8 * 16 + 16 for t in rows["0"].tensors)
+    assert 8 * 16 + 8 <= rows["0"].bytes <= 8 * 16 + 16
     assert rows["1"].packed_bytes == rows["1"].bytes and rows["1"].is_mesa
     # the sigmoid output and the plain Linear's input (the same storage: counted once, by the
     # first saver) are exact

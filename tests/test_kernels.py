@@ -622,8 +622,7 @@ def test_failed_cuda_build_warns_once_then_reference(monkeypatch):
         raise RuntimeError("nvcc: simulated failure")
 
     monkeypatch.setattr(backend, "build_extension", failing)
-    backend._extension.cache_clear()
-    backend._extension_backend.cache_clear()
+    backend.clear_caches()
     try:
         with pytest.warns(RuntimeWarning, match="building the CUDA kernels failed"):
             first = backend._extension_backend("cuda")
@@ -635,8 +634,7 @@ def test_failed_cuda_build_warns_once_then_reference(monkeypatch):
         with pytest.raises(backend.BackendUnavailable, match="simulated failure"):
             backend._cuda_backend(True)
     finally:
-        backend._extension.cache_clear()
-        backend._extension_backend.cache_clear()
+        backend.clear_caches()
 
 
 def test_toolkit_mismatch_is_named(tmp_path):

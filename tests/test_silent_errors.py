@@ -255,6 +255,7 @@ def test_workspace_disarmed_when_a_mesa_backward_raises(monkeypatch):
     from mesa_ops.functional import linear as linear_mod
 
     monkeypatch.delenv("MESA_BACKEND", raising=False)
+    monkeypatch.setattr(packed, "WORKSPACE_MIN_BYTES", 0)  # (these small restores too)
     m = _mlp()
     calls = []
     real = linear_mod.saved_tensors
@@ -278,6 +279,7 @@ def test_workspace_recovers_after_an_exception_elsewhere_in_backward(monkeypatch
     from mesa_ops import packed
 
     monkeypatch.delenv("MESA_BACKEND", raising=False)
+    monkeypatch.setattr(packed, "WORKSPACE_MIN_BYTES", 0)  # (these small restores too)
     m = _mlp()
     x = torch.randn(4, 9, 32, requires_grad=True)
     y = m(x)

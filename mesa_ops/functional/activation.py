@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import apply_without_autocast, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, attach_saved, compiling, gelu_f64, hand_on, levels,
+from ..backend import native_ops
+from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, attach_saved, compiling, gelu_table, hand_on, levels,
                       once_differentiable, output_copy, pack_mask, release, save_for_backward,
                       saved_packed, saved_tensors)
 
@@ -55,10 +56,11 @@ class _GELU(torch.autograd.Function):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
             one = (torch.ones_like(lv) if traced
                    else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
-            deriv = gelu_f64(lv, ctx.approximate, one, traced)  # (G, 2^bits) GELU' at the levels
+            native = None if traced else native_ops()
+            deriv = gelu_table(lv, ctx.approximate, one, native)  # (G, 2^bits) GELU' at the levels
             head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                head = gelu_f64(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), traced)
+                head = gelu_table(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), native)
             gx = apply_table(xq, xq[3:9], deriv, g, head, traced)
         else:  # a stand-in quantizer that stored x as it is (tests)
             gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
@@ -70,7 +72,7 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     # under torch.compile the packed input comes out of the Function (dynamo keeps no Python
     # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
-    plan = autocast_plan("gelu", x)
+    plan = autocast_plan("gelu", x) if torch.is_autocast_enabled(x.device.type) else None
     if plan is None:
         cdt = x.dtype
         y = _GELU.apply(x, approximate, quant, cdt, False, traced)

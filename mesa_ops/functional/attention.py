@@ -93,9 +93,13 @@ def _pack_all(quants, tensors, amp16: bool, traced: bool) -> list:
     layout, H groups of D) where its quantizer is on, else the tensor itself; the enabled
     quantizers' kernel calls made together (:func:`~mesa_ops.quant.quantize_many`: on CUDA one
     launch for q, k, v)."""
-    on = [(qu, token_layout(x4)) for qu, x4 in zip(quants, tensors) if qu.enable]
-    packed = iter(quantize_many(on, amp16, traced) if len(on) > 1 else
-                  [qu.quantize(x, amp16, None, traced) for qu, x in on])
+    q, k, v = quants
+    if q.enable and k.enable and v.enable:  # (the usual case: no generators)
+        x, y, z = tensors
+        return quantize_many(((q, x.transpose(1, 2).flatten(2)), (k, y.transpose(1, 2).flatten(2)),
+                              (v, z.transpose(1, 2).flatten(2))), amp16, traced)
+    on = [(qu, x4.transpose(1, 2).flatten(2)) for qu, x4 in zip(quants, tensors) if qu.enable]
+    packed = iter(quantize_many(on, amp16, traced))
     return [next(packed) if qu.enable else x4 for qu, x4 in zip(quants, tensors)]
 
 
@@ -175,13 +179,15 @@ class _SDPA(torch.autograd.Function):
             out, lse, extra, ctx.max_qk = _fused_forward(choice, qc, kc, vc, am, scale)
         mods = mod._modules  # (the quantizers without Module.__getattr__'s frame)
         quant_o = mods["quant_o"]
-        ctx.recompute = choice != MATH and mod.reruns_forward()
+        ctx.recompute = recompute = choice != MATH and mod.reruns_forward()
+        # (B, N, H * D): the merged output, and the layout q, k, v and the output are stored in
+        tok = out.transpose(1, 2).reshape(B, N, H * D) if merge or not recompute else None
         # the backward's rerun gives the output and softmax statistics: the forward's are kept
         # only for the next layer (``attn.proj`` adopts the token-layout output copy)
         qo = None
-        if choice != MATH and (merge or not ctx.recompute):
-            qo = quant_o.quantize(token_layout(out), amp16, None, traced) if quant_o.enable else out
-        if ctx.recompute:
+        if choice != MATH and (merge or not recompute):
+            qo = quant_o.quantize(tok, amp16, None, traced) if quant_o.enable else out
+        if recompute:
             lse, extra = None, ()
         save_for_backward(ctx, *_pack_all((mods["quant_q"], mods["quant_k"], mods["quant_v"]), (qc, kc, vc),
                                           amp16, traced), qo, lse, bias, window_mask, *extra)
@@ -191,7 +197,7 @@ class _SDPA(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, None if bias is None else bias.dtype)
         # (the token-layout output hands its packed copy on, saved item 3 restoring the same
         # tensor: once for both backwards, outside torch.compile)
-        return hand_on(ctx, token_layout(out), qo, merge and traced, None, quant_o, 3) if merge else out
+        return hand_on(ctx, tok, qo, merge and traced, None, quant_o, 3) if merge else out
 
     @staticmethod
     @once_differentiable
@@ -199,17 +205,14 @@ class _SDPA(torch.autograd.Function):
         if gy is None:  # (out_packed: grads are not materialized, the output took no gradient)
             return (None,) * 12
         traced, H = ctx.traced, ctx.heads
-        items = saved_tensors(ctx, False, 3, traced)  # (q, k, v restored by one call where it can)
-        qh, kh, vh, oh = items[:4]  # ((B, L, H * D) token layouts, back to (B, H, L, D) heads)
-        qh = qh if qh.dim() == 4 else qh.view(qh.shape[0], qh.shape[1], H, -1).transpose(1, 2)
-        kh = kh if kh.dim() == 4 else kh.view(kh.shape[0], kh.shape[1], H, -1).transpose(1, 2)
-        vh = vh if vh.dim() == 4 else vh.view(vh.shape[0], vh.shape[1], H, -1).transpose(1, 2)
-        if oh is not None and oh.dim() == 3:
-            oh = oh.view(oh.shape[0], oh.shape[1], H, -1).transpose(1, 2)
+        # q, k, v and the output restored as (B, H, L, D) heads from their (B, L, H * D) token
+        # layout (q, k, v by one call where the backend can)
+        items = saved_tensors(ctx, False, 3, traced, H, 4)
+        qh, kh, vh, oh = items[:4]
         lse, bias, window_mask = items[4:7]
         extra = items[7:]
         cdt, scale = ctx.cdt, ctx.scale
-        g = gy.view(gy.shape[0], gy.shape[1], H, -1).transpose(1, 2) if ctx.merge else gy
+        g = gy.unflatten(2, (H, -1)).transpose(1, 2) if ctx.merge else gy
         g = g if g.dtype is cdt else g.to(cdt)
         gbias = None
         am = None if bias is None and window_mask is None else build_mask(bias, window_mask, qh.shape[0], cdt)
@@ -316,7 +319,9 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     if window_mask is not None and window_mask.dim() != 3:
         raise ValueError(f"mesa SDPA: window_mask must be (W, N, M), got {tuple(window_mask.shape)}")
     traced = compiling()
-    cdt = compute_dtype(q)
+    dev = q.device.type
+    autocast = torch.is_autocast_enabled(dev)
+    cdt = compute_dtype(q) if autocast else q.dtype
     if window_mask is not None:
         choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
     else:
@@ -327,8 +332,7 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
             choice = EFFICIENT  # cuDNN's backward gives no bias gradient (Swin's relative bias)
     # under torch.compile the packed output comes out of the Function (dynamo keeps no Python
     # attributes on its nodes), for the next Linear to adopt as in eager mode (issue 22.6)
-    dev = q.device.type
-    if cdt is q.dtype and not torch.is_autocast_enabled(dev):
+    if not autocast:
         y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False, traced)
     else:
         y = apply_without_autocast(dev, traced, _SDPA.apply, q, k, v, bias, window_mask, scale, mod, cdt,

@@ -9,21 +9,17 @@ from ..backend import native_ops
 from ..packed import adopt_saved, compiling, once_differentiable, release, save_for_backward, saved_tensors
 
 
-def _linear(x, w, b):
-    """F.linear(x, w, b) (the same call, the same bits) as an output that is not a view: aten
-    returns the addmm of the flattened rows of a 3-D or larger input as a view of it, and a
-    custom Function's output that is a view may not be modified in place (an
-    nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
-    modified inplace"). ``detach`` makes a tensor of its own over the same memory, at no copy."""
-    return F.linear(x, w, b).detach()
-
-
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, quant, cdt, amp16, rec, traced=False):
         xc = x if x.dtype is cdt else x.to(cdt)
-        y = _linear(xc, weight if weight.dtype is cdt else weight.to(cdt),
-                    bias if bias is None or bias.dtype is cdt else bias.to(cdt))
+        # F.linear(x, w, b) (the same call, the same bits) as an output that is not a view: aten
+        # returns the addmm of the flattened rows of a 3-D or larger input as a view of it, and a
+        # custom Function's output that is a view may not be modified in place (an
+        # nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
+        # modified inplace"). ``detach`` makes a tensor of its own over the same memory, no copy
+        y = F.linear(xc, weight if weight.dtype is cdt else weight.to(cdt),
+                     bias if bias is None or bias.dtype is cdt else bias.to(cdt)).detach()
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards

@@ -74,24 +74,25 @@ class _LayerNorm(torch.autograd.Function):
         own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
                and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
         native = None if ctx.traced else native_ops()
+        # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
+        zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
         gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
-            gy, xh, rstd, w, b, shape, ctx.stats_dtype, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
+            gy, xh, rstd, zero, one, w, b, shape, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
             *ctx.p_dtypes)
         release(xh)
         return gx, None, gw, gb, None, None, None, None, None
 
 
-def layer_norm_grads(gy, xh, rstd, w, b, normalized_shape, stats_dtype, need_x: bool, need_w: bool,
+def layer_norm_grads(gy, xh, rstd, zero, one, w, b, normalized_shape, need_x: bool, need_w: bool,
                      need_b: bool, own_sums: bool, cdt, x_dtype, w_dtype, b_dtype):
     """(gx, gw, gb) of a LayerNorm from its stored x-hat (float32 or wider) and rstd: aten's
-    backward with mean 0 and rstd 1 (x-hat is its own normalized input) and the input gradient
-    times rstd; with ``own_sums`` the weight and bias gradients as column sums; None where not
-    needed. The specification of the extension's ``layer_norm_backward``
+    backward with mean ``zero`` and rstd ``one`` (x-hat is its own normalized input) and the
+    input gradient times rstd; with ``own_sums`` the weight and bias gradients as column sums;
+    None where not needed. The specification of the extension's ``layer_norm_backward``
     (cuda/layer_grads.cpp: the same ops in one native call), and what runs while torch.compile
     traces."""
     g = as_dtype(gy, cdt)
     xc = as_dtype(xh, cdt)
-    zero, one = _unit_stats(rstd.shape, stats_dtype, rstd.device)
     gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
         g, xc, normalized_shape, zero, one, w, b, [need_x, False, False] if own_sums else [need_x, need_w, need_b])
     if own_sums:
@@ -116,7 +117,7 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
     shape = tuple(normalized_shape)
-    plan = autocast_plan("layer_norm", x)
+    plan = autocast_plan("layer_norm", x) if torch.is_autocast_enabled(x.device.type) else None
     if plan is None:
         cdt = x.dtype
         y = _LayerNorm.apply(x, shape, weight, bias, eps, quant, cdt, False, traced)
