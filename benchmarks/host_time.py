@@ -164,12 +164,17 @@ def count_step(model: str = "deit_tiny_patch16_224", precision: str = "fp32", wa
             with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
                 loss = nn.functional.cross_entropy(net(x).float(), y)
             loss.backward()
-            for p in net.parameters():
+
+        params = list(net.parameters())
+
+        def clear():
+            for p in params:
                 p.grad = None
 
         for _ in range(warmup):
             step()
             fwd_bwd()
+            clear()
         calls = Counter()
 
         def prof(frame, event, arg):
@@ -182,8 +187,10 @@ def count_step(model: str = "deit_tiny_patch16_224", precision: str = "fp32", wa
             fwd_bwd()
         finally:
             sys.setprofile(None)
+        clear()
         with _AtenOps() as mode_ops:
             fwd_bwd()
+        clear()
         out[mode] = {"python calls": sum(calls.values()), "aten ops": sum(mode_ops.ops.values()),
                      "calls by function": calls, "ops by name": mode_ops.ops}
     return out

@@ -12,12 +12,18 @@ at::ScalarType to_dtype(int64_t code) { return static_cast<at::ScalarType>(code)
 
 at::ScalarType dtype_of(const py::object& dtype) { return torch::python::detail::py_object_to_dtype(dtype); }
 
-// a (B, L, H * D) token layout as its (B, H, L, D) heads (a view) where heads > 0
+// a contiguous (B, L, H * D) token layout as its (B, H, L, D) heads where heads > 0: the strided
+// tensor t.view(B, L, H, D).transpose(1, 2) is, over t's storage, made without a dispatch (a
+// restored tensor: no autograd history to keep)
 at::Tensor split_heads(const at::Tensor& t, int64_t heads) {
   if (heads <= 0) return t;
-  TORCH_CHECK(t.dim() == 3 && t.size(2) % heads == 0, "mesa restore: heads=", heads,
-              " does not split a (B, L, H * D) tensor of shape ", t.sizes());
-  return t.view({t.size(0), t.size(1), heads, t.size(2) / heads}).transpose(1, 2);
+  TORCH_CHECK(t.dim() == 3 && t.size(2) % heads == 0 && t.is_contiguous(), "mesa restore: heads=", heads,
+              " does not split a contiguous (B, L, H * D) tensor of shape ", t.sizes());
+  const int64_t B = t.size(0), L = t.size(1), D = t.size(2) / heads;
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  const int64_t sizes[] = {B, heads, L, D}, strides[] = {L * heads * D, D, heads * D, 1};
+  impl->set_sizes_and_strides(at::IntArrayRef(sizes), at::IntArrayRef(strides), t.storage_offset());
+  return at::Tensor(std::move(impl));
 }
 
 // one call of a *_many op: a sequence of the single op's n arguments
@@ -104,9 +110,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_backward", [](const at::Tensor& gy, const at::Tensor& x, const at::Tensor& w, bool affine,
                               const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& c,
                               bool need_x, bool need_w, bool need_b, py::object cdt, py::object x_dtype,
-                              py::object b_dtype) {
+                              py::object w_dtype, py::object b_dtype) {
     return mesa::linear_backward(gy, x, w, affine, a, c, need_x, need_w, need_b, dtype_of(cdt),
-                                 dtype_of(x_dtype), b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
+                                 dtype_of(x_dtype), dtype_of(w_dtype),
+                                 b_dtype.is_none() ? at::kFloat : dtype_of(b_dtype));
   }, "functional/linear.py's _Linear.backward after its restore: (gx, gw, gb)");
   m.def("layer_norm_backward", [](const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd,
                                   const at::Tensor& zero, const at::Tensor& one,

@@ -30,12 +30,13 @@ at::Tensor weight_grad(const at::Tensor& g2, const at::Tensor& x, at::ScalarType
 
 // functional/linear.py's _Linear.backward after its restore: g (..., out) of the output; x the
 // stored input restored (..., in), or with a LayerNorm's affine map (`a`, `c`: (in,) or
-// undefined; `affine`) its x-hat, x = x-hat * a + c. Returns (gx, gw, gb), undefined where not
-// needed.
+// undefined; `affine`) its x-hat, x = x-hat * a + c; the weight as the forward used it (the
+// parameter's dtype: w_dtype). Returns (gx, gw, gb), undefined where not needed.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
     const at::Tensor& gy, const at::Tensor& x, const at::Tensor& weight, bool affine,
     const std::optional<at::Tensor>& a_opt, const std::optional<at::Tensor>& c_opt, bool need_x,
-    bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType b_dtype) {
+    bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType w_dtype,
+    at::ScalarType b_dtype) {
   const at::Tensor a = a_opt.value_or(at::Tensor()), c = c_opt.value_or(at::Tensor());
   const at::Tensor g = as_type(gy, cdt);
   const at::Tensor g2 = g.reshape({-1, g.size(-1)});  // (tokens, out)
@@ -70,7 +71,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
     } else {
       gw = weight_grad(g2, x, cdt);
     }
-    gw = as_type(gw, weight.scalar_type());
+    gw = as_type(gw, w_dtype);
   }
   if (need_b) gb = as_type(gsum, b_dtype);
   return {gx, gw, gb};

@@ -275,7 +275,8 @@ int64_t generator_fingerprint_cpu();
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
     const at::Tensor& gy, const at::Tensor& x, const at::Tensor& weight, bool affine,
     const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& c, bool need_x,
-    bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType b_dtype);
+    bool need_w, bool need_b, at::ScalarType cdt, at::ScalarType x_dtype, at::ScalarType w_dtype,
+    at::ScalarType b_dtype);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
     const at::Tensor& gy, const at::Tensor& xh, const at::Tensor& rstd, const at::Tensor& zero,
     const at::Tensor& one, const std::optional<at::Tensor>& w, const std::optional<at::Tensor>& b,

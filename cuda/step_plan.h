@@ -26,7 +26,8 @@ using StepKernel = std::function<StepResult(const at::Tensor& x, int64_t groups,
                                             const std::optional<at::Tensor>& rstd,
                                             const std::optional<at::Tensor>& head)>;
 
-class StepPlan {
+// (hidden, as the pybind11 objects it holds: one extension's own type)
+class __attribute__((visibility("hidden"))) StepPlan {
  public:
   // x, mean / rstd: an input and row statistics of the layout the plan is for (their sizes,
   // strides, dtype, device are the key, with amp16 and MESA_BACKEND's value `env`); it / draws:

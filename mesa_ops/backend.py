@@ -296,6 +296,7 @@ def clear_caches() -> None:
     (a test that builds or fails to build another: the next use loads them again)."""
     _extension.cache_clear()
     _extension_backend.cache_clear()
+    native_for.cache_clear()
     _CHECKED.clear()
     for cache in DEPENDENT_CACHES:
         cache.clear()
@@ -465,9 +466,11 @@ _ENV_KEY = os.environ.encodekey("MESA_BACKEND") if hasattr(os.environ, "encodeke
 
 
 # the same for the per-activation fast paths (mesa_ops.quant, mesa_ops.packed), which key their
-# cached backend on MESA_BACKEND's raw value: one dict lookup, no call (None: read forced_backend())
+# cached backend on MESA_BACKEND's raw value: one dict lookup, no call (None: read forced_backend());
+# ENV.get(BACKEND_VAR) that value on any platform (os.environ's own .get where it has no dict)
 ENV_VARS = _ENV_DATA if type(_ENV_DATA) is dict and _ENV_KEY is not None else None
-BACKEND_VAR = _ENV_KEY
+BACKEND_VAR = _ENV_KEY if ENV_VARS is not None else "MESA_BACKEND"
+ENV = ENV_VARS if ENV_VARS is not None else os.environ
 
 
 def forced_backend() -> str | None:
@@ -487,16 +490,22 @@ def forced_backend() -> str | None:
     return name or None
 
 
-def native_ops():
+@functools.lru_cache(maxsize=None)
+def native_for(raw):
     """The extension's device-independent composites of ATen ops (the layers' gradient math,
-    cuda/layer_grads.cpp): the same ops as the pure-PyTorch versions in mesa_ops.functional, in
-    one call; None where those run instead (MESA_BACKEND=torch, or no extension built). Read once
-    per Mesa backward."""
-    raw = ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else os.environ.get("MESA_BACKEND")
+    cuda/layer_grads.cpp: the same ops as the pure-PyTorch versions in mesa_ops.functional, in
+    one call) under MESA_BACKEND's raw value ``raw`` (``ENV.get(BACKEND_VAR)``), or None where
+    those run instead (MESA_BACKEND=torch, or no extension built). Cached: a Mesa backward reads
+    it through the cache, without a Python frame (:func:`native_ops` reads the variable)."""
     if raw is not None and forced_backend() == "torch":
         return None
     ext = _extension("cpu")
     return None if isinstance(ext, BaseException) else ext
+
+
+def native_ops():
+    """:func:`native_for` of MESA_BACKEND's value now."""
+    return native_for(ENV.get(BACKEND_VAR))
 
 
 def _cuda_backend(forced: bool):

@@ -7,6 +7,8 @@ detected by whether the feature exists, in this one place.
 * :func:`current_autograd_node`: the autograd node the engine runs on this thread, None outside a
   backward (``torch._C._current_autograd_node``; None always where absent: a reentrant
   checkpoint's recompute is then not told apart).
+* :func:`is_dynamo_compiling`: whether torch.compile's dynamo traces (one Python call in eager
+  mode; ``torch.compiler.is_compiling`` where the stricter function is absent).
 * :func:`aten_call`: the C callable of an aten overload (``OpOverload._op``), called without
   the overload's Python ``__call__``; the overload itself where absent.
 * :data:`C10D_WORLD`: torch.distributed's registry of process groups, whose ``_default_pg`` says
@@ -43,6 +45,12 @@ C10D_WORLD = _c10d_world()
 
 
 
+# True while torch.compile's dynamo traces the calling code (dynamo answers it as a constant),
+# False in eager mode: torch.compiler.is_dynamo_compiling (one Python call; is_compiling makes
+# two, and a Mesa layer asks once per call), or is_compiling where this torch has no such function
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
+
+
 def aten_call(overload):
     """The C callable behind an aten overload (``torch.ops.aten.X.default``): the same op
     without ``OpOverload.__call__``'s Python frame (a Mesa backward calls a few per layer in
@@ -51,4 +59,4 @@ def aten_call(overload):
     return getattr(overload, "_op", overload)
 
 
-__all__ = ["current_graph_task_id", "current_autograd_node", "C10D_WORLD", "aten_call"]
+__all__ = ["current_graph_task_id", "current_autograd_node", "C10D_WORLD", "aten_call", "is_dynamo_compiling"]

@@ -65,7 +65,7 @@ class SavedActivationMeter:
         self._stack: list[str] = []
         self._name_stack: list[str] = []
         self._running: list[set] = []  # per running module: its parameters' storages
-        self._frozen: list[list] = []  # per running module: its frozen floating parameters
+        self._floating: list[list] = []  # per running module: its floating-point parameters
         self._active: dict = defaultdict(int)
         self._handles = []
         self._hooks = None
@@ -80,8 +80,8 @@ class SavedActivationMeter:
         params = module.parameters() if isinstance(module, FSDPModule) else module._parameters.values()
         keys = {_storage_key(p)[0] for p in params if p is not None and p.device.type != "meta"}
         self._running.append(keys)
-        self._frozen.append([p for p in module._parameters.values()
-                             if p is not None and not p.requires_grad and p.is_floating_point()])
+        self._floating.append([p for p in module._parameters.values()
+                               if p is not None and p.is_floating_point()])
         for k in keys:
             self._active[k] += 1
 
@@ -89,8 +89,8 @@ class SavedActivationMeter:
         if self._stack:
             self._stack.pop()
             self._name_stack.pop()
-        if self._frozen:
-            self._frozen.pop()
+        if self._floating:
+            self._floating.pop()
         if self._running:
             for k in self._running.pop():
                 self._active[k] -= 1
@@ -100,15 +100,16 @@ class SavedActivationMeter:
     def _param_cast(self, t: torch.Tensor) -> bool:
         """``t`` is a cast copy of a parameter (autocast's cached low-precision weight: its
         autograd node is a copy whose input is the parameter's gradient accumulator), or a view
-        of one (a linear saves the cast weight transposed). A frozen parameter's cast (LoRA's
-        base weights) has no autograd node: it is the cast of a frozen parameter of a running
-        module, same shape, same values."""
+        of one (a linear saves the cast weight transposed). A cast without an autograd node (a
+        frozen parameter's, LoRA's base weights; one made inside a custom Function's forward, a
+        Mesa Linear's, which keeps it for its backward as autocast does) is the cast of a
+        parameter of a running module: same shape, same values."""
         base = t if t._base is None else t._base
         fn = base.grad_fn
         if fn is None:
             return any(base.shape == p.shape and base.dtype != p.dtype and not isinstance(p, DTensor)
                        and base.device == p.device and torch.equal(base, p.detach().to(base.dtype))
-                       for ps in self._frozen for p in ps)
+                       for ps in self._floating for p in ps)
         if type(fn).__name__ != "ToCopyBackward0":
             return False
         for nxt, _ in fn.next_functions:

@@ -19,13 +19,12 @@ import torch
 from torch.autograd import function as _autograd_function
 
 from . import nonfinite, ops, reference
-from .compat import current_graph_task_id
-from .backend import (BACKEND_VAR, DEPENDENT_CACHES, ENV_VARS, forced_backend, get_backend, kernel_for,
-                      native_ops)
+from .compat import current_graph_task_id, is_dynamo_compiling
+from .backend import BACKEND_VAR, DEPENDENT_CACHES, ENV, get_backend, kernel_for, native_for
 
 # compiling() is True while torch.compile (dynamo) traces: torch's own function under a short
-# name, not a wrapper around it (it runs several times per layer, each call a Python frame)
-compiling = torch.compiler.is_compiling
+# name, not a wrapper around it (a Mesa layer asks once per call: one Python frame)
+compiling = is_dynamo_compiling
 
 
 # the id of the backward pass the autograd engine runs on this thread, -1 outside one
@@ -101,7 +100,7 @@ def restorer(packed: torch.Tensor, dtype: torch.dtype, bits: int):
     ``bits`` bits into ``dtype``: :func:`~mesa_ops.backend.kernel_for` of the tensor's backend,
     decided once per key."""
     key = (type(packed), packed.device, dtype, bits,
-           ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else forced_backend())
+           ENV.get(BACKEND_VAR))
     be = _RESTORERS.get(key)
     if be is None:
         be = _RESTORERS[key] = kernel_for(get_backend(packed), packed, dtype, bits)
@@ -122,7 +121,7 @@ def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head:
         be = None
     else:
         key = (type(packed), packed.device, dtype, bits,
-               ENV_VARS.get(BACKEND_VAR) if ENV_VARS is not None else forced_backend())
+               ENV.get(BACKEND_VAR))
         be = _RESTORERS.get(key)
         if be is None:
             be = restorer(packed, dtype, bits)
@@ -234,7 +233,7 @@ def gelu_table(x: torch.Tensor, approximate: str, grad: torch.Tensor | None = No
     GELU's packed input is restored through, and its exact prefix rows. On the CPU computed in
     float64 and rounded once (ATen's own kernel: float32 GELU there goes to a library primitive
     with ~6 us of set-up per call), elsewhere in the dtype itself (one kernel). ``native``: the
-    extension's composites (:func:`~mesa_ops.backend.native_ops`: the same ops in one call), or
+    extension's composites (:func:`~mesa_ops.backend.native_for`: the same ops in one call), or
     None for these ops (while torch.compile traces, or without the extension)."""
     dtype = x.dtype if grad is None else grad.dtype
     if native is not None:
@@ -272,7 +271,7 @@ class MappedQTensor(NamedTuple):
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
         traced = compiling() if traced is None else traced
-        native = None if traced else native_ops()
+        native = None if traced else native_for(ENV.get(BACKEND_VAR))
         table = TABLE_FNS[name](levels(step, shift, bits, dtype, traced), *args, native=native)
         # the exact prefix rows, through f itself
         head = (TABLE_FNS[name](tensors[3], *args, native=native)

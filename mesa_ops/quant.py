@@ -40,7 +40,7 @@ import torch
 from . import ops
 from .amp import WIDE_DTYPES
 from .compat import C10D_WORLD as _C10D_WORLD, current_autograd_node
-from .backend import ENV_VARS as _ENV_DATA, BACKEND_VAR as _ENV_KEY, forced_backend, get_backend, kernel_for
+from .backend import ENV as _ENV, BACKEND_VAR as _ENV_KEY, get_backend, kernel_for
 from .reference import RANGE_MODES
 from .settings import (IGNORED_KEYS, KEYS, NONFINITE_MODES, SUPPORTED_BITS, PolicyError,
                        _index_list, _int, _META_KEYS, _nonneg_int, _tag_list, parse_groups)
@@ -298,7 +298,7 @@ class QuantMixin:
                     got = native(x, b["clip_val"], b["shift"], b["iteration"], b["draws"], update,
                                  ops.signed_salt_mix(plan.salt) if mix is None else mix,
                                  None if norm is None else norm[0], None if norm is None else norm[1], amp16,
-                                 _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else forced_backend())
+                                 _ENV.get(_ENV_KEY))
                     if got is not None:
                         q, rows = got
                         if rows is not None:  # (a non-finite activation: the CPU's flag, or CUDA's rows)
@@ -436,7 +436,7 @@ class QuantMixin:
         what depends only on the input's layout and the settings is decided once
         (:meth:`_step_plan`), the rest is read here without further Python calls."""
         key = (x.shape, x.stride(), x.dtype, x.device, amp16,
-               _ENV_DATA.get(_ENV_KEY) if _ENV_DATA is not None else forced_backend(),
+               _ENV.get(_ENV_KEY),
                None if norm is None else (norm[0].shape, norm[0].dtype, norm[0].stride(), norm[1].stride()))
         d = self.__dict__
         plan = d.get("_qplan")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import apply_without_autocast, autocast_plan, compute_dtype, fp16_autocast, no_autocast
-from ..backend import native_ops
+from ..backend import BACKEND_VAR, ENV, native_for
 from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, attach_saved, compiling, gelu_table, hand_on, levels,
                       once_differentiable, output_copy, pack_mask, release, save_for_backward,
                       saved_packed, saved_tensors)
@@ -56,7 +56,7 @@ class _GELU(torch.autograd.Function):
             lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
             one = (torch.ones_like(lv) if traced
                    else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
-            native = None if traced else native_ops()
+            native = None if traced else native_for(ENV.get(BACKEND_VAR))
             deriv = gelu_table(lv, ctx.approximate, one, native)  # (G, 2^bits) GELU' at the levels
             head = None
             if xq.head is not None:  # the exact prefix rows (QTensor.head)

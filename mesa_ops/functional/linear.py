@@ -1,11 +1,12 @@
-"""Linear: saves the packed input (never a copy of the weight; the parameter itself is kept)."""
+"""Linear: saves the packed input and the weight as the forward used it: the parameter itself, or
+under autocast its cast copy (as exact autocast keeps it for its backward: not recast there)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from ..amp import WIDE_DTYPES, apply_without_autocast, as_dtype, autocast_plan
-from ..backend import native_ops
+from ..backend import BACKEND_VAR, ENV, native_for
 from ..packed import adopt_saved, compiling, once_differentiable, release, save_for_backward, saved_tensors
 
 
@@ -18,17 +19,18 @@ class _Linear(torch.autograd.Function):
         # custom Function's output that is a view may not be modified in place (an
         # nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
         # modified inplace"). ``detach`` makes a tensor of its own over the same memory, no copy
-        y = F.linear(xc, weight if weight.dtype is cdt else weight.to(cdt),
-                     bias if bias is None or bias.dtype is cdt else bias.to(cdt)).detach()
+        wc = weight if weight.dtype is cdt else weight.to(cdt)
+        y = F.linear(xc, wc, bias if bias is None or bias.dtype is cdt else bias.to(cdt)).detach()
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
         qx = None if rec is None else adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True, rec=rec)
         if qx is None:
             qx = quant.quantize(xc, amp16, None, traced)
-        save_for_backward(ctx, qx, weight)
+        save_for_backward(ctx, qx, wc)
         ctx.mesa_name = quant  # (described only for an error message)
         ctx.cdt, ctx.x_dtype, ctx.has_bias, ctx.traced = cdt, x.dtype, bias is not None, traced
+        ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         return y
 
@@ -39,19 +41,20 @@ class _Linear(torch.autograd.Function):
         need = ctx.needs_input_grad
         affine = type(xh) is tuple  # (x-hat, a, c) of a LayerNorm's output
         x, a, c = xh if affine else (xh, None, None)
-        native = None if ctx.traced else native_ops()
+        native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
         gx, gw, gb = (linear_grads if native is None else native.linear_backward)(
             gy, x, weight, affine, a, c, need[0], need[1], ctx.has_bias and need[2], ctx.cdt, ctx.x_dtype,
-            ctx.b_dtype)
+            ctx.w_dtype, ctx.b_dtype)
         release(x)
         return gx, gw, gb, None, None, None, None, None
 
 
 def linear_grads(gy, x, weight, affine: bool, a, c, need_x: bool, need_w: bool, need_b: bool, cdt, x_dtype,
-                 b_dtype):
+                 w_dtype, b_dtype):
     """(gx, gw, gb) of y = x W^T + b for the output gradient ``gy`` (..., out) from the stored
     input ``x`` (..., in) restored, or with ``affine`` its LayerNorm's x-hat with x = x-hat * a
-    + c (``a``, ``c``: (in,) or None); None where not needed. The specification of the
+    + c (``a``, ``c``: (in,) or None), and the weight as the forward used it (``weight``; the
+    parameter's dtype ``w_dtype``); None where not needed. The specification of the
     extension's ``linear_backward`` (cuda/layer_grads.cpp: the same ops in one native call),
     and what runs while torch.compile traces."""
     g = as_dtype(gy, cdt)
@@ -81,7 +84,7 @@ def linear_grads(gy, x, weight, affine: bool, a, c, need_x: bool, need_w: bool, 
                 gw = gw.addr_(as_dtype(gsum, gw.dtype), as_dtype(c, gw.dtype))
         else:
             gw = _gw(g2, x, cdt)
-        gw = as_dtype(gw, weight.dtype)
+        gw = as_dtype(gw, w_dtype)
     if need_b:
         gb = as_dtype(gsum, b_dtype)
     return gx, gw, gb

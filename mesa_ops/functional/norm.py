@@ -9,7 +9,7 @@ import torch
 
 from ..amp import (WIDE_DTYPES as _WIDE, apply_without_autocast, as_dtype, autocast_plan, compute_dtype,
                    fp16_autocast, no_autocast)
-from ..backend import native_ops
+from ..backend import BACKEND_VAR, ENV, native_for
 from ..packed import (AffineQTensor, _tnew, attach_saved, compiling, hand_on, once_differentiable,
                       output_copy, release, save_for_backward, saved_tensors)
 
@@ -73,7 +73,7 @@ class _LayerNorm(torch.autograd.Function):
         need_w, need_b = w is not None and need[2], b is not None and need[3]
         own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
                and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
-        native = None if ctx.traced else native_ops()
+        native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
         # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
         zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
         gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
