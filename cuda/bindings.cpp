@@ -59,16 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("iteration"), py::arg("draws"), py::arg("update"), py::arg("mix"), py::arg("mean"),
            py::arg("rstd"), py::arg("amp16"), py::arg("env"))
       .def("see", &mesa::StepPlan::see, "the state the quantizer left after its Python path");
-  m.def("step_plan_cpu", make_plan([](const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip,
-                                       at::Tensor shift, at::Tensor it, double decay, double one_minus,
-                                       int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
-                                       bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& mean,
-                                       const std::optional<at::Tensor>& rstd, const std::optional<at::Tensor>& head) {
-          auto r = mesa::quantize_step_cpu(x, groups, inner, clip, shift, it, decay, one_minus, range_mode, bits,
-                                           update, mix, draws, stochastic, mark_nonfinite, stochastic, mean, rstd,
-                                           head);
-          return mesa::StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r));
-        }), "the quantizer's one-call step for one input layout on the CPU kernels (mesa::StepPlan)");
+  m.def("step_plan_cpu", make_plan(&mesa::quantize_step_cpu_plan),
+        "the quantizer's one-call step for one input layout on the CPU kernels (mesa::StepPlan)");
   m.def("quantize_cpu", &mesa::quantize_cpu, "quantize a CPU tensor (contiguous or row-strided) to packed codes");
   m.def("dequantize_cpu", [](const at::Tensor& p, const at::Tensor& st, const at::Tensor& sh, int64_t bits,
                              int64_t groups, int64_t inner, int64_t numel, py::object dtype) {
@@ -198,11 +190,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                         at::Tensor shift, at::Tensor it, double decay, double one_minus,
                                         int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
                                         bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& mean,
-                                        const std::optional<at::Tensor>& rstd, const std::optional<at::Tensor>& head) {
+                                        const std::optional<at::Tensor>& rstd, const std::vector<int64_t>& head_sizes,
+                                        at::ScalarType head_dtype) {
+          std::optional<at::Tensor> head;
+          if (!head_sizes.empty()) head = at::empty(head_sizes, x.options().dtype(head_dtype));
           auto r = mesa::quantize_step_cuda(x, groups, inner, clip, shift, it, decay, one_minus, range_mode, bits,
                                             update, mix, draws, stochastic, mark_nonfinite, stochastic, mean, rstd,
                                             head);
-          return mesa::StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::nullopt, std::get<3>(r));
+          return mesa::StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::nullopt, std::get<3>(r),
+                                  head.has_value() ? *head : at::Tensor());
         }), "the quantizer's one-call step for one input layout on the CUDA kernels (mesa::StepPlan)");
   m.def("quantize_step_many_cuda",
         [](const py::list& calls) {

@@ -271,6 +271,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cpu();
 
+// (packed, step, shift, the host's "all finite" (CPU) or none (CUDA: on the device), (4, G)
+// rows, the exact prefix rows or undefined): what a StepPlan's kernel returns (step_plan.h)
+using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<bool>, at::Tensor, at::Tensor>;
+// quantize_step_cpu as a StepPlan calls it (the salt mix as the seed prefix): the exact prefix
+// rows (`head_sizes`, empty: none) made in `head_dtype` in the allocation of the rows and codes
+StepResult quantize_step_cpu_plan(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
+                                  at::Tensor shift, at::Tensor iteration, double decay, double one_minus_decay,
+                                  int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
+                                  bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& row_mean,
+                                  const std::optional<at::Tensor>& row_rstd, const std::vector<int64_t>& head_sizes,
+                                  at::ScalarType head_dtype);
+
 // The layers' gradient math, composites of ATen ops for any device (layer_grads.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
     const at::Tensor& gy, const at::Tensor& x, const at::Tensor& weight, bool affine,

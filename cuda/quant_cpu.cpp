@@ -604,16 +604,39 @@ int64_t generator_fingerprint_cpu() {
 // statistics) the first P rows along dim -2 of what is stored are also written there exactly.
 // Returns (packed codes, step (G,), shift (G,), whether every group was finite, (4, G) rows);
 // step and shift are rows 1 and 2.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
+namespace {
+// quantize_step_cpu; with `head_sizes` (not null, not empty) the exact prefix rows are not given
+// but made here, in `head_dtype`, in the same allocation as the rows and codes (between them:
+// their offset, 16 * G bytes, is aligned for any dtype), and returned in `head_out`
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_impl(
     const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
     at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
-    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head,
+    const std::vector<int64_t>* head_sizes, at::ScalarType head_dtype, at::Tensor* head_out) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
   RowNorm rn;
   rn.len = row_norm_len("quantize_step_cpu", x, inner, row_mean, row_rstd);
-  const HeadRows hr = head_rows_of("quantize_step_cpu", head, x, rn.len > 0);
+  // one allocation for the (4, G) rows, the exact prefix rows made here (if any) and the codes
+  // after them; the tensors returned are views of it made without a dispatch (one storage: a
+  // saved copy is counted once, as before)
+  const int64_t per = 8 / bits;
+  const int64_t nbytes = (x.numel() + per - 1) / per;
+  int64_t head_bytes = 0;
+  std::optional<at::Tensor> own_head;
+  if (head_sizes != nullptr && !head_sizes->empty()) {
+    int64_t n = 1;
+    for (const int64_t s : *head_sizes) n *= s;
+    head_bytes = n * static_cast<int64_t>(c10::elementSize(head_dtype));
+  }
+  const at::Tensor block = at::empty({16 * groups + head_bytes + nbytes}, x.options().dtype(at::kByte));
+  if (head_bytes > 0) {
+    own_head = storage_view(block, head_dtype, 16 * groups / static_cast<int64_t>(c10::elementSize(head_dtype)),
+                            *head_sizes);
+    *head_out = *own_head;
+  }
+  const HeadRows hr = head_rows_of("quantize_step_cpu", head_bytes > 0 ? own_head : head, x, rn.len > 0);
   if (rn.len > 0) {
     rn.mean = row_mean->data_ptr<float>();
     rn.rstd = row_rstd->data_ptr<float>();
@@ -625,11 +648,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
                                               prefix_of_mix ? generator_fingerprint_cpu() : 0,
                                               update)
                                    : 0;
-  // one allocation for the (4, G) rows and the codes after them; the tensors returned are views
-  // of it made without a dispatch (one storage: a saved copy is counted once, as before)
-  const int64_t per = 8 / bits;
-  const int64_t nbytes = (x.numel() + per - 1) / per;
-  const at::Tensor block = at::empty({16 * groups + nbytes}, x.options().dtype(at::kByte));
   const at::Tensor params = storage_view(block, at::kFloat, 0, {4, groups});
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
@@ -638,12 +656,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
   }
-  const at::Tensor packed = storage_view(block, at::kByte, 16 * groups, {nbytes});
+  const at::Tensor packed = storage_view(block, at::kByte, 16 * groups + head_bytes, {nbytes});
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>(), rn);
   take_head(x, inner, rn, hr);
   return {packed, storage_view(block, at::kFloat, groups, {groups}),
           storage_view(block, at::kFloat, 2 * groups, {groups}), finite, params};
+}
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_cpu(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
+    const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head) {
+  return quantize_step_impl(x, groups, inner, std::move(clip_val), std::move(shift), std::move(iteration), decay,
+                            one_minus_decay, range_mode, bits, update, seed_prefix, std::move(draws), stochastic,
+                            mark_nonfinite, prefix_of_mix, row_mean, row_rstd, head, nullptr, at::kFloat, nullptr);
+}
+
+StepResult quantize_step_cpu_plan(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,
+                                  at::Tensor shift, at::Tensor iteration, double decay, double one_minus_decay,
+                                  int64_t range_mode, int64_t bits, bool update, int64_t mix, at::Tensor draws,
+                                  bool stochastic, bool mark_nonfinite, const std::optional<at::Tensor>& row_mean,
+                                  const std::optional<at::Tensor>& row_rstd, const std::vector<int64_t>& head_sizes,
+                                  at::ScalarType head_dtype) {
+  at::Tensor head;
+  auto r = quantize_step_impl(x, groups, inner, std::move(clip_val), std::move(shift), std::move(iteration), decay,
+                              one_minus_decay, range_mode, bits, update, mix, std::move(draws), stochastic,
+                              mark_nonfinite, stochastic, row_mean, row_rstd, std::nullopt, &head_sizes, head_dtype,
+                              &head);
+  return StepResult(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r), head);
 }
 
 }  // namespace mesa

@@ -15,8 +15,7 @@
 
 namespace mesa {
 
-// (packed, step, shift, the host's "all finite" (CPU) or none (CUDA: on the device), (4, G) rows)
-using StepResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, std::optional<bool>, at::Tensor>;
+// (StepResult: quant_api.h) head_sizes / head_dtype: the exact prefix rows to make (empty: none)
 using StepKernel = std::function<StepResult(const at::Tensor& x, int64_t groups, int64_t inner,
                                             at::Tensor clip, at::Tensor shift, at::Tensor it,
                                             double decay, double one_minus, int64_t range_mode,
@@ -24,7 +23,8 @@ using StepKernel = std::function<StepResult(const at::Tensor& x, int64_t groups,
                                             bool stochastic, bool mark_nonfinite,
                                             const std::optional<at::Tensor>& mean,
                                             const std::optional<at::Tensor>& rstd,
-                                            const std::optional<at::Tensor>& head)>;
+                                            const std::vector<int64_t>& head_sizes,
+                                            at::ScalarType head_dtype)>;
 
 // (hidden, as the pybind11 objects it holds: one extension's own type)
 class __attribute__((visibility("hidden"))) StepPlan {
@@ -81,13 +81,12 @@ class __attribute__((visibility("hidden"))) StepPlan {
     const at::Tensor xs = transposed_ == 0   ? x
                           : transposed_ == 1 ? x.transpose(-2, -1)
                                              : x.permute({0, 2, 3, 1});
-    std::optional<at::Tensor> head;
-    if (!head_shape_.empty()) head = at::empty(head_shape_, x.options().dtype(stored_scalar_));
     const StepResult r = kernel_(xs, groups_, inner_, clip, shift, it, decay_, one_minus_, range_mode_,
-                                 bits_, update, mix, draws, stochastic_, mark_nonfinite_, mean, rstd, head);
+                                 bits_, update, mix, draws, stochastic_, mark_nonfinite_, mean, rstd, head_shape_,
+                                 stored_scalar_);
     py::object head_obj = py::none();
-    if (head.has_value()) {
-      head_obj = py::cast(*head);
+    if (std::get<5>(r).defined()) {
+      head_obj = py::cast(std::get<5>(r));
       head_obj.attr("_mesa_head") = true;  // (the audit counts it with the packed copy)
     }
     py::object q = tuple_new_(qtensor_type_,

@@ -7,7 +7,7 @@ peft's LoRA ``Linear`` computes ``base(x) + B(A(dropout(x))) * scaling``. After
   weight);
 * ``A``'s input is the tensor the layer before stored already (a LayerNorm's x-hat, a GELU's
   input, an attention output carrying its packed copy): ``A`` reuses that copy instead of storing
-  its own (the sharing of :func:`mesa_ops.packed.find_saved`);
+  its own (the sharing of :func:`mesa_ops.saved.find_saved`);
 * ``B``'s input, (..., r), is stored at the layer's bits.
 
 peft first casts x to ``A``'s weight dtype (float32 under autocast): a new tensor, without the

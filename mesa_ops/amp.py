@@ -31,6 +31,11 @@ def _probe(op: str, device_type: str, amp_dtype: torch.dtype, in_dtype: torch.dt
         return _PROBES[op](x).dtype
 
 
+# autocast_dtype(op, device type, autocast dtype, input dtype): the dtype ``op`` computes in
+# under autocast (cached: a layer reads it without a Python frame)
+autocast_dtype = _probe
+
+
 def compute_dtype(op: str, x: torch.Tensor) -> torch.dtype:
     """The dtype ``op`` computes in for input ``x`` under the current autocast state."""
     dev = x.device.type
@@ -52,17 +57,6 @@ def fp16_autocast(x: torch.Tensor) -> bool:
     """True under float16 autocast on ``x``'s device (where GradScaler skips non-finite steps)."""
     dev = x.device.type
     return torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.float16
-
-
-def autocast_plan(op: str, x: torch.Tensor):
-    """None when autocast is off on ``x``'s device (the Function computes in ``x.dtype``, no
-    context needed), else (compute dtype of ``op``, fp16 autocast?) read before a Function
-    switches autocast off (:func:`compute_dtype` and :func:`fp16_autocast` in one call)."""
-    dev = x.device.type
-    if not torch.is_autocast_enabled(dev):
-        return None
-    amp = torch.get_autocast_dtype(dev)
-    return (_probe(op, dev, amp, x.dtype) if x.is_floating_point() else x.dtype), amp == torch.float16
 
 
 def apply_without_autocast(dev: str, traced: bool, fn, *args):

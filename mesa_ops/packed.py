@@ -5,20 +5,17 @@ uint8 with one fp32 step and shift per group. Two derived kinds restore a tensor
 layer's packed copy, so that data two layers would store is stored once:
 :class:`AffineQTensor` (a LayerNorm's output from its packed x-hat: x-hat * weight + bias) and
 :class:`MappedQTensor` (a GELU's output from its packed input, through a table of GELU at the
-2^bits values of each group). :func:`attach_saved` / :func:`find_saved` hand such copies from
-one layer to the next; :func:`save_for_backward` / :func:`saved_tensors` store any mix of them
-in an autograd ctx; dequantized tensors of a backward come from a reusable workspace
-(:func:`release`)."""
+2^bits values of each group). Restored tensors come from :func:`restore` (one native call
+each); those of a backward from a reusable workspace (:func:`release`). How the Functions save,
+share and hand on such copies: :mod:`mesa_ops.saved`."""
 from __future__ import annotations
 
-import functools
 import threading
 from typing import NamedTuple
 
 import torch
-from torch.autograd import function as _autograd_function
 
-from . import nonfinite, ops, reference
+from . import ops, reference
 from .compat import current_graph_task_id, is_dynamo_compiling
 from .backend import BACKEND_VAR, DEPENDENT_CACHES, ENV, get_backend, kernel_for, native_for
 
@@ -152,7 +149,7 @@ def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head:
 def split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """A (B, L, H * D) token layout as its (B, H, L, D) heads (a view that carries the workspace
     buffer ``t`` came in, if any: :func:`release` of the view hands it back)."""
-    out = t.unflatten(2, (heads, -1)).transpose(1, 2)
+    out = t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)
     buf = getattr(t, "_mesa_ws", None)
     if buf is not None:
         out._mesa_ws, t._mesa_ws = buf, None
@@ -245,9 +242,10 @@ def gelu_table(x: torch.Tensor, approximate: str, grad: torch.Tensor | None = No
     return torch.ops.aten.gelu_backward(grad, x, approximate=approximate).to(dtype)
 
 
-# elementwise functions a stored tensor can be restored through: name -> f(values, *args, native)
-# (native: the extension's composites or None, as gelu_table takes them)
-TABLE_FNS = {"gelu": lambda x, approximate, native=None: gelu_table(x, approximate, None, native)}
+# elementwise functions a stored tensor can be restored through: name -> f(values, *args, None,
+# native) (None: f itself, not its gradient; native: the extension's composites or None, as
+# gelu_table takes them)
+TABLE_FNS = {"gelu": gelu_table}
 
 
 @_over_q
@@ -272,9 +270,10 @@ class MappedQTensor(NamedTuple):
         name, *args = meta[6]
         traced = compiling() if traced is None else traced
         native = None if traced else native_for(ENV.get(BACKEND_VAR))
-        table = TABLE_FNS[name](levels(step, shift, bits, dtype, traced), *args, native=native)
+        fn = TABLE_FNS[name]
+        table = fn(levels(step, shift, bits, dtype, traced), *args, None, native)
         # the exact prefix rows, through f itself
-        head = (TABLE_FNS[name](tensors[3], *args, native=native)
+        head = (fn(tensors[3], *args, None, native)
                 if len(tensors) > 3 and tensors[3] is not None else None)
         return apply_table(tensors[:3], meta[:6], table, head=head, traced=traced)
 
@@ -295,9 +294,10 @@ def levels(step: torch.Tensor, shift: torch.Tensor, bits: int, dtype: torch.dtyp
     key = (bits, dtype, id(shift), step._version, shift._version)
     if memo is not None and memo[0] == key and memo[1] is shift:
         return memo[2]
-    kernel = getattr(restorer(step, dtype, bits), "levels", None)
+    be = _RESTORERS.get((type(step), step.device, dtype, bits, ENV.get(BACKEND_VAR)))  # (restorer's key)
+    kernel = getattr(be if be is not None else restorer(step, dtype, bits), "levels", None)
     lv = reference.levels(step, shift, bits, dtype) if kernel is None else kernel(step, shift, bits, dtype)
-    if in_backward():  # (tensors of a finished graph: freed with it)
+    if _graph_task_id() != -1:  # in a backward (tensors of a finished graph: freed with it)
         step._mesa_levels = (key, shift, lv)
     return lv
 
@@ -316,7 +316,12 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     if transposed:
         raise ValueError("mesa apply_table: a transposed packed copy has no table path")
     numel = shape.numel()
-    be = None if (compiling() if traced is None else traced) else restorer(packed, dtype, bits)
+    if compiling() if traced is None else traced:
+        be = None
+    else:
+        be = _RESTORERS.get((type(packed), packed.device, dtype, bits, ENV.get(BACKEND_VAR)))  # (restorer's key)
+        if be is None:
+            be = restorer(packed, dtype, bits)
     kernel = getattr(be, "lut_apply_out", None)
     if kernel is None:
         return with_head(reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape),
@@ -473,46 +478,6 @@ def in_backward() -> bool:
     return _graph_task_id() != -1
 
 
-def _layer_name(ctx) -> str:
-    """The layer a Function's ``ctx.mesa_name`` names: a string, or the quantizer / module
-    itself (described only when needed: the forward runs once per layer and step)."""
-    name = getattr(ctx, "mesa_name", "?")
-    return name if isinstance(name, str) else name.describe()
-
-
-def once_differentiable(fn):
-    """``torch.autograd.function.once_differentiable`` with a message naming Mesa: a Mesa
-    backward runs without recording a graph (its inputs are lossy packed copies), and a second
-    differentiation through it (gradient penalty, ``create_graph=True``) raises."""
-    plain = _autograd_function.once_differentiable(fn)
-
-    @functools.wraps(fn)
-    def wrapper(ctx, *args):
-        if not torch.is_grad_enabled():  # the usual backward (create_graph=False): as plain does
-            try:
-                return fn(ctx, *args)
-            except BaseException:
-                disarm()  # the engine drops its callbacks: the buffers would stay held
-                raise
-        if compiling():
-            return plain(ctx, *args)
-        with torch.no_grad():
-            outputs = fn(ctx, *args)
-        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            return outputs
-        outs = outputs if isinstance(outputs, tuple) else (outputs,)
-        err = torch._C._functions.DelayedError(
-            f"mesa_ops: double backward through the Mesa layer {_layer_name(ctx)} "
-            "is not supported "
-            "(it saved a lossy packed copy of its input and its backward is not differentiable); "
-            "turn compression off for it (enable=False) to take gradients of gradients".encode(),
-            len(outs))
-        res = err(*[o.detach().requires_grad_() if o is not None else None for o in outs])
-        res = res if isinstance(res, tuple) else (res,)
-        return res if isinstance(outputs, tuple) else res[0]
-    return wrapper
-
-
 _NO_DRAWS = torch.zeros(1, dtype=torch.int64)  # round-to-nearest packing draws nothing
 
 
@@ -524,256 +489,3 @@ def pack_mask(mask_source: torch.Tensor) -> QTensor:
     packed = ops.quantize(x, one, zero, _NO_DRAWS, "", 1, 1, x.numel() or 1, False, False)
     return QTensor(packed, one, zero, mask_source.shape, mask_source.dtype, 1, 1, x.numel() or 1,
                    transposed)
-
-
-class Share:
-    """One dequantized copy handed between two backwards that restore the same packed tensor: a
-    consumer (the Linear fed by a LayerNorm, the projection after SDPA) restores it first, the
-    producer (the LayerNorm, the SDPA) takes it instead of restoring it again, and releases it.
-    ``t`` is the restored tensor while it waits, else None (the class's value: a new box is made
-    without a Python call, once per producer)."""
-    t = None
-
-
-def attach_saved(t: torch.Tensor, qt: QTensor, stochastic: bool = True, producer=None,
-                 item: int = 0) -> torch.Tensor:
-    """Record on ``t`` that ``qt`` is a packed copy of it (rounded stochastically or not), so a
-    later Mesa layer that needs the same tensor for backward (attn@v after softmax) saves these
-    bytes instead of a second copy; returns the tensor to hand on: ``t``, or while torch.compile
-    traces a view of it carrying the record (dynamo of torch <= 2.8 sets no attribute on a custom
-    autograd Function's output; a view is free in the compiled graph). ``producer``: the autograd
-    node (ctx) whose saved item ``item`` restores to the same tensor as ``qt``; the two backwards
-    then restore it once."""
-    if compiling():
-        t = t.view_as(t)
-        t._mesa_saved = (qt, None, bool(stochastic), None)
-        return t
-    share = None
-    if producer is not None:
-        share = Share()
-        producer.mesa_share = (item, share, None)
-    t._mesa_saved = (qt, t._version, bool(stochastic), share)
-    return t
-
-
-def hand_on(ctx, y: torch.Tensor, q, out_packed: bool, record=None, quant=None,
-            share_item: int | None = None):
-    """What a Mesa Function returns with the packed copy ``q`` it hands the next layer (a
-    LayerNorm's x-hat, a GELU's input, a Softmax's or SDPA's output; None or a tensor stored
-    exactly: nothing): in eager mode ``y``, carrying ``record`` (``q`` when None: a LayerNorm's
-    :class:`AffineQTensor`, a GELU's :class:`MappedQTensor`) as :func:`attach_saved` records it
-    (rounded as ``quant`` rounds), with ``ctx`` as the producer whose saved item ``share_item`` restores the same tensor (None:
-    no such item); under torch.compile (``out_packed``: dynamo keeps no Python attributes on its
-    nodes) ``(y, *q.tensors())``, the packed tensors non-differentiable, for the layer's wrapper
-    (:func:`output_copy`, then :func:`attach_saved`)."""
-    if not out_packed:
-        if type(q) is QTensor:
-            box = None
-            if share_item is not None:
-                box = Share()
-                ctx.mesa_share = (share_item, box, None)
-            y._mesa_saved = (q if record is None else record, y._version, bool(quant.stochastic), box)
-        return y
-    packed = q.tensors() if isinstance(q, QTensor) else ()
-    ctx.mark_non_differentiable(*packed)
-    ctx.set_materialize_grads(False)  # (no zero gradients made for the packed outputs)
-    return (y,) + packed
-
-
-def output_copy(out, quant, dtype: torch.dtype):
-    """(y, the :class:`QTensor` handed on with it, or None) from what :func:`hand_on` returned
-    under torch.compile: rebuilt from the extra outputs (``quant``'s groups and bits, stored in
-    ``dtype``)."""
-    y, *packed = out
-    if not packed:
-        return y, None
-    g, inner = quant.groups_for(y.shape)
-    return y, QTensor.of(packed, y.shape, dtype, quant.bits, g, inner, False)
-
-
-def saved_record(t: torch.Tensor):
-    """What :func:`attach_saved` recorded on ``t`` (None if nothing): read by a layer's Python
-    wrapper and passed into its autograd Function as an argument, since inside the Function's
-    forward torch.compile (dynamo of torch 2.8) sees a fresh tensor without the attribute."""
-    return getattr(t, "_mesa_saved", None)
-
-
-def adopt_saved(ctx, t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
-                item: int = 0, grad_input: int = 0, rec=None):
-    """:func:`find_saved`, and when the copy is one its producer's backward restores too, record
-    on ``ctx`` (which saves it as item ``item``) that its backward hands the restored tensor on,
-    when the gradient of its input ``grad_input`` flows back to that producer (``ctx`` None:
-    nothing recorded). ``rec``: ``t``'s :func:`saved_record` (read from ``t`` when None). Runs
-    once per layer that takes another's copy: a derived copy is matched without a further call."""
-    rec = getattr(t, "_mesa_saved", None) if rec is None else rec
-    if rec is None:
-        return None
-    qt, version, stochastic, box = rec
-    kind = type(qt)
-    if kind is AffineQTensor or kind is MappedQTensor:
-        base = qt[0]  # ([0]: dynamo of torch 2.8 reads no property of a NamedTuple)
-        if (not derived or type(quant) is int or (version is not None and version != t._version)
-                or base[3] != t.shape or base[5] != quant._bits or stochastic != bool(quant.stochastic)):
-            return None
-    elif not _matches(qt, version, stochastic, t, quant, dtype):
-        return None
-    if box is not None and ctx is not None:
-        ctx.mesa_share = (item, box, grad_input)
-    return qt
-
-
-def _matches(qt: QTensor, version, stochastic: bool, t: torch.Tensor, quant, dtype) -> bool:
-    """Whether ``qt`` (recorded on ``t`` at ``version``) stores what ``quant`` (or a bit width)
-    would store of ``t``: see :func:`find_saved`."""
-    if (version is not None and version != t._version) or qt.shape != t.shape:
-        return False
-    if dtype is not None and qt.dtype != dtype:
-        return False
-    if isinstance(quant, int):
-        return qt.bits == quant
-    if qt.bits != quant._bits or stochastic != bool(quant.stochastic):
-        return False
-    if (qt.transposed and quant.group_dim != "channel") or qt.transposed == CHANNELS_LAST:
-        return False
-    shape = list(t.shape)
-    if qt.transposed:
-        shape[-2], shape[-1] = shape[-1], shape[-2]
-    return (qt.groups, qt.inner) == quant.groups_for(shape)
-
-
-def find_saved(t: torch.Tensor, quant, dtype: torch.dtype | None = None, derived: bool = False,
-               rec=None) -> QTensor | AffineQTensor | MappedQTensor | None:
-    """The packed copy attached to ``t`` if the quantizer ``quant`` would store the same thing:
-    ``t`` not modified in place, same shape, bits, groups (count and layout), rounding mode (and
-    ``dtype`` when given). ``quant`` may also be a bit width (then only bits are compared).
-    With ``derived`` a copy that restores ``t`` from another layer's packed tensor is also taken
-    when bits and rounding match (a LayerNorm's x-hat with its weight and bias:
-    :class:`AffineQTensor`; a GELU's input through GELU: :class:`MappedQTensor`): its groups
-    are that layer's, and it restores in that layer's compute dtype (the caller casts). ``rec``:
-    ``t``'s :func:`saved_record` (read from ``t`` when None)."""
-    return adopt_saved(None, t, quant, dtype, derived, rec=rec)
-
-
-def save_for_backward(ctx, *items) -> None:
-    """``ctx.save_for_backward`` for a mix of packed copies (:class:`QTensor`,
-    :class:`AffineQTensor`, :class:`MappedQTensor`), Tensor and None items, in a fixed layout:
-    a packed copy takes 4 slots (codes, step, shift, exact prefix rows or None), an
-    AffineQTensor 2 more (weight, bias), anything else 1; ``ctx.mesa_layout`` holds (kind or
-    None, first slot, meta) per item. Runs once per Mesa forward: no Python call but torch's."""
-    ws = getattr(_local, "ws", None)
-    if ws is not None and ws.armed and _graph_task_id() == -1:
-        ws.clear()  # a forward outside any backward: the last backward raised, elsewhere
-    flat, layout = [], []
-    for it in items:
-        kind = type(it)
-        if kind is QTensor:
-            layout.append((QTensor, len(flat), it[3:9]))
-            flat += (it[0], it[1], it[2], it[9])
-        elif kind is AffineQTensor:
-            q = it[0]
-            layout.append((AffineQTensor, len(flat), q[3:9]))
-            flat += (q[0], q[1], q[2], q[9], it[1], it[2])
-        elif kind is MappedQTensor:
-            q = it[0]
-            layout.append((MappedQTensor, len(flat), q[3:9] + (it[1],)))
-            flat += (q[0], q[1], q[2], q[9])
-        else:
-            layout.append((None, len(flat), None))
-            flat.append(it)
-    ctx.save_for_backward(*flat)
-    ctx.mesa_layout = layout
-
-
-def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bool | None = None,
-                  heads: int = 0, head_items: int = 0) -> list:
-    """The items given to :func:`save_for_backward`, packed copies restored. With
-    ``split_affine`` an :class:`AffineQTensor` comes back as the tuple (x-hat restored, weight,
-    bias) instead of x-hat * weight + bias (for a backward that folds the affine map into a
-    smaller tensor). An item shared with another backward (:class:`Share`) is restored once.
-    The QTensors among the first ``together`` items (an attention's q, k, v) are restored by
-    one call where the backend has one (:meth:`QTensor.restore_many`). The packed copies among
-    the first ``head_items`` come back as ``heads`` (B, H, L, D) heads of their (B, L, H * D)
-    token layout (an attention's q, k, v and output). ``traced``: torch.compile traces this
-    backward (as its forward knew; None to ask): restored by the registered ops."""
-    if traced is None:
-        traced = compiling()
-    flat = ctx.saved_tensors
-    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
-        nonfinite.on_backward()
-    share = getattr(ctx, "mesa_share", None)
-    # a backward that records no graph (create_graph=False): workspace buffers, shared copies
-    ws = not traced and not torch.is_grad_enabled() and _graph_task_id() != -1
-    layout = ctx.mesa_layout
-    early = _restored_together(flat, layout, together, share, traced, heads if together <= head_items else 0) \
-        if together else None
-    out = []
-    for j, (kind, i, meta) in enumerate(layout):
-        if kind is None:
-            out.append(flat[i])
-        elif early is not None and j in early:
-            out.append(early[j])
-        elif share is not None and j == share[0] and (
-                kind is QTensor or (split_affine and kind is AffineQTensor)):
-            x = _shared_restore(ctx, share, flat, i, meta, traced, ws)  # read-only: never modified
-            if j < head_items:
-                x = split_heads(x, heads)
-            out.append(x if kind is QTensor else (x, flat[i + 4], flat[i + 5]))
-        elif kind is QTensor:
-            out.append(restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws,
-                               heads if j < head_items else 0))
-        elif kind is AffineQTensor:
-            x = restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws)
-            out.append((x, flat[i + 4], flat[i + 5]) if split_affine else _affine(x, flat[i + 4], flat[i + 5]))
-        else:
-            out.append(MappedQTensor.restore(flat[i:i + 4], meta, traced))
-    return out
-
-
-def _restored_together(flat, layout, together: int, share, traced: bool, heads: int):
-    """{item: restored tensor} of the QTensors among the first ``together`` items, restored by
-    one call (:meth:`QTensor.restore_many`), or None where their backend makes one call each."""
-    many = [j for j in range(min(together, len(layout))) if layout[j][0] is QTensor
-            and not (share is not None and j == share[0])]
-    if traced or len(many) < 2:
-        return None
-    first = layout[many[0]]
-    if not getattr(restorer(flat[first[1]], first[2][1], first[2][2]), "has_many", False):
-        return None
-    done = QTensor.restore_many([(flat[layout[j][1]:layout[j][1] + 4], layout[j][2]) for j in many], traced)
-    return dict(zip(many, [split_heads(t, heads) for t in done] if heads else done))
-
-
-def _shared_restore(ctx, share, flat, i: int, meta, traced: bool, ws: bool) -> torch.Tensor:
-    """The restored x of a shared item (:class:`Share`) at slot ``i``: taken from the box when
-    the other backward left it there; else restored, and left there (in a backward that records
-    no graph) by a consumer whose input gradient flows on to the producer (whose backward then
-    runs and takes it)."""
-    _, box, grad_input = share
-    t = box.t
-    if t is not None:
-        if grad_input is None:  # the producer: the last user; its release() frees it
-            box.t = None
-            t._mesa_boxed = False
-        return t
-    t = restore(flat[i], flat[i + 1], flat[i + 2], flat[i + 3], meta, traced, ws)
-    if ws and grad_input is not None and ctx.needs_input_grad[grad_input]:
-        box.t = t
-        t._mesa_boxed = True
-    return t
-
-
-def saved_packed(ctx) -> list:
-    """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
-    backward that reads its stored tensor through a table, without dequantizing it)."""
-    flat = ctx.saved_tensors
-    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
-        nonfinite.on_backward()
-    out = []
-    for kind, i, meta in ctx.mesa_layout:
-        if kind is None:
-            out.append(flat[i])
-        elif kind is QTensor:
-            out.append(_tnew(QTensor, (flat[i], flat[i + 1], flat[i + 2]) + meta + (flat[i + 3],)))
-        else:
-            raise ValueError(f"mesa saved_packed: a {kind.__name__} has no packed form here")
-    return out

@@ -41,13 +41,14 @@ from . import ops
 from .amp import WIDE_DTYPES
 from .compat import C10D_WORLD as _C10D_WORLD, current_autograd_node
 from .backend import ENV as _ENV, BACKEND_VAR as _ENV_KEY, get_backend, kernel_for
+from .draws import DrawStream
 from .reference import RANGE_MODES
 from .settings import (IGNORED_KEYS, KEYS, NONFINITE_MODES, SUPPORTED_BITS, PolicyError,
                        _index_list, _int, _META_KEYS, _nonneg_int, _tag_list, parse_groups)
-from .packed import CHANNELS_LAST, QTensor, _graph_task_id, _memory_view, compiling, in_backward
+from .packed import CHANNELS_LAST, QTensor, _graph_task_id, _memory_view, compiling, in_backward, restorer
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
-from .packed import (AffineQTensor, MappedQTensor, attach_saved, find_saved,  # noqa: F401
-                     once_differentiable, pack_mask, release, save_for_backward, saved_tensors)
+from .packed import AffineQTensor, MappedQTensor, pack_mask, release  # noqa: F401
+from .saved import attach_saved, find_saved, once_differentiable, save_for_backward, saved_tensors  # noqa: F401
 
 _log = logging.getLogger("mesa_ops")
 _RANGE_CODE = {m: i for i, m in enumerate(RANGE_MODES)}  # 'ema' 0, 'batch' 1, 'union' 2
@@ -67,7 +68,7 @@ def channel_dim(ndim: int) -> int:
     return 1 if ndim >= 4 else ndim - 1
 
 
-class QuantMixin:
+class QuantMixin(DrawStream):
     """Quantizer state and the one quantization path every Mesa layer stores activations through.
 
     ``prefix_tokens`` (default 0; the models set it, :func:`set_prefix_tokens`): the first rows
@@ -242,32 +243,6 @@ class QuantMixin:
         if self._nonfinite == "auto":
             return "skip" if amp16 else "raise"
         return self._nonfinite
-
-    def salt_name(self) -> str:
-        """The string this quantizer's rounding seeds are salted with: :meth:`describe` (the
-        layer's name, tag and index: the same in every process that builds the same model), and
-        for a quantizer without a name (a layer made with ``enable=True`` and no policy, not
-        numbered by :func:`mesa_ops.policy.assign_indices`) also its construction number in
-        this process, so that no two layers draw one noise stream. A copy (``copy.deepcopy``)
-        keeps the stream of its original."""
-        return self._salt_entry()[1]
-
-    def _salt(self) -> int:
-        """The CRC-32 salt of this quantizer's seeds (of :meth:`salt_name`; cached per name)."""
-        return self._salt_entry()[2]
-
-    def _salt_entry(self):
-        key = (self.layer_name, self.tag, self.index)
-        cached = self.__dict__.get("_salt_cache")
-        if cached is not None and cached[0] == key:
-            return cached
-        name = self.describe()
-        if not self.layer_name:
-            name = f"{name} #{self.__dict__.get('_instance', -1)}"
-        if compiling():  # no side effects while dynamo traces (the name is all it needs)
-            return key, name, None
-        cached = self.__dict__["_salt_cache"] = (key, name, ops.salt_of(name))
-        return cached
 
     def quantize(self, x: torch.Tensor, amp16: bool = False,
                  norm: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -515,46 +490,7 @@ class QuantMixin:
             self._seen_iteration(it)
         return QTensor(packed, step, sh, x.shape, x.dtype, bits, g, inner, transposed)
 
-    # ---- the draw counter: a CPU buffer, or follows the iteration buffer ----------------
-    @property
-    def _draws(self) -> torch.Tensor:
-        """The ``draws`` buffer, on the CPU (moved back once if something moved it, e.g.
-        FSDP2's ``fully_shard``, which moves buffers by ``.data``)."""
-        d = self._buffers["draws"]
-        if d.device.type != "cpu":
-            d = self._buffers["draws"] = d.cpu()
-        return d
 
-    def _seen_iteration(self, it: torch.Tensor) -> None:
-        """Record ``iteration`` and ``draws`` as this quantizer last left them (tensors and
-        versions; not pickled: :meth:`__getstate__`)."""
-        d = self._draws
-        self.__dict__["_it_seen"] = (it, it._version, d, d._version)
-
-    def _draws_for(self, it: torch.Tensor) -> torch.Tensor:
-        """The (1,) int64 CPU draw counter. When ``iteration`` was changed by anyone but this
-        quantizer since it last used it (a user's copy_, a buffer replaced) and ``draws`` was
-        not (an in-place load, e.g. torch.distributed.checkpoint's, writes both), the counter is
-        first re-read from ``iteration``: so the rounding stream resumes however the state is
-        restored. One host read then; none otherwise."""
-        seen = self.__dict__.get("_it_seen")
-        d = self._buffers["draws"]
-        if seen is not None and seen[0] is it and seen[1] == it._version:
-            # (the usual case: nothing changed; FSDP2's fully_shard moves the counter by .data,
-            # keeping the tensor and its version: _draws moves it back)
-            return d if seen[2] is d and d.device.type == "cpu" else self._draws
-        d = self._draws
-        if seen is None or (seen[2] is d and seen[3] == d._version):
-            d[0] = int(float(it.reshape(-1)[0]))
-        return d
-
-    def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() copy the buffers: the counter stays on the CPU (an int64
-        # tensor: casts leave it), valid for the copies
-        out = super()._apply(fn, recurse)
-        if "iteration" in self._buffers:
-            self._seen_iteration(self._buffers["iteration"])
-        return out
 _NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # the autograd node the engine runs on this thread (None outside a backward)
 _current_node = current_autograd_node
@@ -601,10 +537,15 @@ def quantize_many(pairs, amp16: bool = False, traced: bool | None = None) -> lis
     are those of the calls one after the other (each quantizer has its own; where one raises,
     e.g. nonfinite='raise' on the CPU, the others' states may have moved already)."""
     traced = compiling() if traced is None else traced
-    be0 = None if traced or len(pairs) < 2 else kernel_for(
-        get_backend(pairs[0][1]), pairs[0][1], pairs[0][1].dtype, pairs[0][0]._bits)
+    be0 = None
+    if not traced and len(pairs) > 1:  # (kernel_for(get_backend(x), x, ...), cached: packed.restorer)
+        x0 = pairs[0][1]
+        be0 = restorer(x0, x0.dtype, pairs[0][0]._bits)
     if not getattr(be0, "has_many", False):  # (the CPU kernels: a call each, no bookkeeping)
-        return [q.quantize(x, amp16, None, traced) for q, x in pairs]
+        out = []
+        for q, x in pairs:
+            out.append(q.quantize(x, amp16, None, traced))
+        return out
     with torch.no_grad():
         out = [None] * len(pairs)
         calls, infos = [], []

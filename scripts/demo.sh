@@ -20,7 +20,9 @@ ARGS=(--model deit_tiny_patch16_224 --model-kwargs patch_size=8 depth=2 embed_di
       --data-set DIGITS --input-size 32 --batch-size 32 --epochs "${EPOCHS:-30}"
       --unscale-lr --lr 3e-3 --warmup-epochs 3 --clip-grad 1.0 --sched-on-updates --min-lr 1e-5
       --aa none --color-jitter 0 --reprob 0 --mixup 0 --cutmix 0 --drop-path 0 --no-model-ema
-      --num-workers 0 --device cpu --tqdm)
+      --num-workers 0 --device cpu)
+# a tqdm bar per epoch on a terminal; one line per epoch written to a file or pipe
+if [ -t 1 ]; then ARGS+=(--tqdm); else ARGS+=(--epoch-lines); fi
 rm -rf "$OUT/exact" "$OUT/mesa8"
 start=$SECONDS
 RUNS=()

@@ -17,7 +17,7 @@ the deferred non-finite check) run on the CPU machines we test on. Three pieces 
   to the input's metadata (the engine's ``validate_outputs``), in no-grad mode (as the engine
   runs a ``create_graph=False`` backward); ``AccumulateGrad`` nodes add into ``.grad``. As in the
   engine, Mesa sees a graph task while it runs (``packed._graph_task_id``: its backward workspace
-  and the restored copies handed from one backward to the next, packed.Share, are used), and the
+  and the restored copies handed from one backward to the next, saved.Share, are used), and the
   workspace's end-of-backward callback runs when it ends; no other final callback runs (fake
   flags are never queued).
 

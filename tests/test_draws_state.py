@@ -148,6 +148,7 @@ def test_quantize_many_equals_the_calls_in_turn(monkeypatch, backend_name):
         emu = backend.build_extension("emu")
         be = backend._Extension(emu, "cuda")
         monkeypatch.setattr(quant, "kernel_for", lambda *a: be)
+        monkeypatch.setattr(quant, "restorer", lambda *a: be)  # (quantize_many's cached lookup)
     else:
         monkeypatch.setenv("MESA_BACKEND", backend_name)
     qs = []

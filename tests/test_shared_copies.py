@@ -131,7 +131,7 @@ def test_shared_copy_dequantized_once_for_both_backwards(case, monkeypatch):
     a frozen weight)."""
     from models.deit import Block
 
-    from mesa_ops import backend, packed
+    from mesa_ops import backend, packed, saved
     import mesa_ops.functional.attention as fa
     import mesa_ops.functional.norm as fn
 
@@ -145,9 +145,9 @@ def test_shared_copy_dequantized_once_for_both_backwards(case, monkeypatch):
     def grads(share: bool):
         # (the producers hand their copies on with the item their own backward restores too:
         # without it, each backward restores its own)
-        hand_on = packed.hand_on if share else (
+        hand_on = saved.hand_on if share else (
             lambda ctx, y, q, out_packed, record=None, quant=None, share_item=None:
-            packed.hand_on(ctx, y, q, out_packed, record, quant))
+            saved.hand_on(ctx, y, q, out_packed, record, quant))
         monkeypatch.setattr(fn, "hand_on", hand_on)
         monkeypatch.setattr(fa, "hand_on", hand_on)
         torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_levels_made_once_per_backward_for_the_same_arguments(monkeypatch):
     step, shift = torch.tensor([0.1, 0.2]), torch.tensor([-1.0, 0.5])
     first = packed.levels(step, shift, 8, torch.float32)
     assert packed.levels(step, shift, 8, torch.float32) is not first  # (not in a backward)
-    monkeypatch.setattr(packed, "in_backward", lambda: True)
+    monkeypatch.setattr(packed, "_graph_task_id", lambda: 7)  # (as in a backward)
     lv = packed.levels(step, shift, 8, torch.float32)
     assert torch.equal(lv, first) and packed.levels(step, shift, 8, torch.float32) is lv
     assert packed.levels(step, shift, 8, torch.float64) is not lv

@@ -469,6 +469,20 @@ def test_policy_enabling_no_layer_warns_loudly(tmp_path, capsys):
     assert "WARNING" not in capsys.readouterr().err
 
 
+def test_epoch_lines(tmp_path, capsys):
+    """--epoch-lines (scripts/demo.sh writing to a file or pipe): one line per epoch with its
+    loss, lr, step time, saved activations and top-1, and no progress, averages or accuracy
+    lines."""
+    stats = run(TINY + FAKE + ["--epochs", "2", "--epoch-lines", "--no-model-ema", "--no-tensorboard"])
+    text = capsys.readouterr().out
+    lines = re.findall(r"^Epoch (\d)/2: loss [\d.]+  lr [\d.]+  step [\d.]+ ms  saved activations [\d.]+ MiB  "
+                       r"top-1 ([\d.]+)% \(best [\d.]+%\)$", text, re.MULTILINE)
+    assert [e for e, _ in lines] == ["1", "2"], text
+    assert float(lines[-1][1]) == pytest.approx(stats["test_acc1"], abs=0.05)
+    for other in ("Epoch: [", "Averaged stats", "* Acc@1", "Accuracy of the network", "Test:"):
+        assert other not in text, other
+
+
 def test_tqdm_bar_only_on_a_terminal(capsys, monkeypatch):
     """--tqdm draws a bar on a terminal; written to a file or pipe (not a tty) a bar would be
     one ever-growing line, so progress lines come instead."""

@@ -161,6 +161,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
           help="time training on one batch (20 warm-up, 30 timed steps) and exit")
     g.add("--print-freq", type=int, default=10, help="progress line every N steps")
     g.add("--tqdm", action="store_true", help="a tqdm bar per epoch instead of progress lines")
+    g.add("--epoch-lines", action="store_true",
+          help="one line per epoch (loss, lr, step time, saved activations, top-1), no progress lines "
+               "(scripts/demo.sh when its output is not a terminal)")
     g.add("--save-rank-state", action="store_true",
           help="each rank writes its final model state to <output-dir>/rank<R>_state.pth")
     g.add("--no-tensorboard", action="store_true")

@@ -74,13 +74,14 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
                     amp: str = "none", max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10,
                     use_tqdm: bool = False,
                     tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None,
-                    on_first_step=None) -> dict:
+                    on_first_step=None, quiet: bool = False) -> dict:
     """One pass over ``data_loader``. Returns the epoch's averages: ``loss, lr, img/s,
     step_ms`` (forward + backward + update, data loading excluded), ``max_mem_mb`` and
     ``saved_act_mib`` (bytes autograd held for backward in the epoch's first step, measured with
     :class:`mesa_ops.SavedActivationMeter` on ``meter_model``, the model without DDP).
     ``lr_scheduler``: given, it is stepped after every update (``step_update``). ``on_first_step``:
-    given, called with the first step's saved bytes (e.g. to compare them with a memory plan)."""
+    given, called with the first step's saved bytes (e.g. to compare them with a memory plan).
+    ``quiet``: no progress lines and no averages line (the caller prints one line per epoch)."""
     model.train()
     ml = MetricLogger(device=device)
     ml.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.6f}"))
@@ -90,7 +91,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
     n_steps = len(data_loader)
     for i, (samples, targets) in enumerate(ml.log_every(data_loader, print_freq, header,
                                                         batch_size_of=lambda b: b[0].shape[0],
-                                                        use_tqdm=use_tqdm)):
+                                                        use_tqdm=use_tqdm, quiet=quiet)):
         samples = samples.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         if mixup_fn is not None:
@@ -129,16 +130,17 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
     stats["step_ms"] = step_ms.global_avg
     stats["max_mem_mb"] = max_memory_mb(device)
     stats["saved_act_mib"] = saved
-    log(f"Averaged stats: loss {stats['loss']:.4f}  lr {stats['lr']:.6f}  step {stats['step_ms']:.1f} ms  "
-        f"saved activations {saved:.2f} MiB  max mem {stats['max_mem_mb']:.0f} MiB")
+    if not quiet:
+        log(f"Averaged stats: loss {stats['loss']:.4f}  lr {stats['lr']:.6f}  step {stats['step_ms']:.1f} ms  "
+            f"saved activations {saved:.2f} MiB  max mem {stats['max_mem_mb']:.0f} MiB")
     return stats
 
 
 @torch.no_grad()
 def evaluate(data_loader, model, device, amp: str = "none", num_classes: int = 1000, print_freq: int = 10,
-             use_tqdm: bool = False, quiet: bool = False) -> dict:
+             use_tqdm: bool = False, quiet: bool = False, summary: bool = True) -> dict:
     """Top-1 / top-5 accuracy (%) and cross-entropy over ``data_loader``; prints DeiT's line
-    ``* Acc@1 X Acc@5 Y loss Z`` (``quiet``: only that line)."""
+    ``* Acc@1 X Acc@5 Y loss Z`` (``quiet``: only that line; ``summary`` False: not that line either)."""
     criterion = torch.nn.CrossEntropyLoss()
     ml = MetricLogger(device=device)
     model.eval()
@@ -155,8 +157,9 @@ def evaluate(data_loader, model, device, amp: str = "none", num_classes: int = 1
         ml.meters["acc1"].update(acc1.item(), n=n)
         ml.meters["acc5"].update(acc5.item(), n=n)
     ml.synchronize_between_processes()
-    log(f"* Acc@1 {ml.meters['acc1'].global_avg:.3f} Acc@5 {ml.meters['acc5'].global_avg:.3f} "
-        f"loss {ml.meters['loss'].global_avg:.3f}")
+    if summary:
+        log(f"* Acc@1 {ml.meters['acc1'].global_avg:.3f} Acc@5 {ml.meters['acc5'].global_avg:.3f} "
+            f"loss {ml.meters['loss'].global_avg:.3f}")
     return {k: m.global_avg for k, m in ml.meters.items()}
 
 

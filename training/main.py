@@ -503,17 +503,22 @@ def _run(args, dist_info) -> dict:
             use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp,
             lr_scheduler=lr_scheduler if args.sched_on_updates else None,
             on_first_step=memory.first_step_report(plan_info, args.batch_size, plan_path)
-            if plan_info and epoch == args.start_epoch else None)
+            if plan_info and epoch == args.start_epoch else None, quiet=args.epoch_lines)
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
-                              print_freq=args.print_freq * 10, quiet=args.tqdm)
+                              print_freq=args.print_freq * 10, quiet=args.tqdm or args.epoch_lines,
+                              summary=not args.epoch_lines)
         if model_ema is not None and args.model_ema_eval:
             ema_stats = _evaluate_ema(model_ema, model_without_ddp, loader_val, device, args, num_classes,
                                       len(val_set))
             test_stats.update({f"ema_{k}": v for k, v in ema_stats.items()})
         best = test_stats["acc1"] > max_accuracy
         max_accuracy = max(max_accuracy, test_stats["acc1"])
-        if not args.tqdm:
+        if args.epoch_lines:
+            log(f"Epoch {epoch + 1}/{args.epochs}: loss {train_stats['loss']:.4f}  lr {train_stats['lr']:.6f}  "
+                f"step {train_stats['step_ms']:.1f} ms  saved activations {train_stats['saved_act_mib']:.2f} MiB  "
+                f"top-1 {test_stats['acc1']:.1f}% (best {max_accuracy:.1f}%)")
+        elif not args.tqdm:
             log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
             log(f"Max accuracy: {max_accuracy:.2f}%")
         rng = all_gather_object(ckpt.get_rng_states())

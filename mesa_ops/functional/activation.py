@@ -8,11 +8,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..amp import apply_without_autocast, autocast_plan, compute_dtype, fp16_autocast, no_autocast
+from ..amp import apply_without_autocast, autocast_dtype, compute_dtype, fp16_autocast, no_autocast
 from ..backend import BACKEND_VAR, ENV, native_for
-from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, attach_saved, compiling, gelu_table, hand_on, levels,
-                      once_differentiable, output_copy, pack_mask, release, save_for_backward,
-                      saved_packed, saved_tensors)
+from ..packed import (MappedQTensor, QTensor, _tnew, apply_table, compiling, disarm, gelu_table, levels,
+                      pack_mask, release)
+from ..saved import (attach_saved, graph_backward, hand_on, once_differentiable, output_copy,
+                     save_for_backward, saved_packed, saved_tensors)
 
 
 @functools.lru_cache(maxsize=32)
@@ -29,14 +30,14 @@ class _GELU(torch.autograd.Function):
     the 2^bits values each group's codes take (no per-element erf/exp, no dequantized copy);
     the packed x also goes out, so that the next Linear restores its input GELU(x) through a
     table of GELU instead of storing a second copy (in eager mode it stays on the node,
-    one output: :func:`~mesa_ops.packed.hand_on`)."""
+    one output: :func:`~mesa_ops.saved.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16, out_packed=False):
         xc = x if x.dtype is cdt else x.to(cdt)
         y = F.gelu(xc, approximate=approximate)
         qx = quant.quantize(xc, amp16, None, out_packed)
-        save_for_backward(ctx, qx)
+        save_for_backward(ctx, qx, traced=out_packed)
         ctx.mesa_name = quant
         ctx.approximate, ctx.x_dtype, ctx.cdt, ctx.traced = approximate, x.dtype, cdt, out_packed
         # the next Mesa Linear restores y = GELU(x) from the same bytes, through a table
@@ -45,26 +46,33 @@ class _GELU(torch.autograd.Function):
                        quant)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, gy, *unused):
+    def backward(ctx, gy, *unused):  # (once_differentiable, spelt out: saved.once_differentiable)
+        if torch.is_grad_enabled():
+            return graph_backward(_GELU.backward, ctx, gy, *unused)
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return None, None, None, None, None, None
-        (xq,) = saved_packed(ctx)
-        cdt, traced = ctx.cdt, ctx.traced
-        g = gy if gy.dtype is cdt else gy.to(cdt)
-        if type(xq) is QTensor:
-            lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
-            one = (torch.ones_like(lv) if traced
-                   else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
-            native = None if traced else native_for(ENV.get(BACKEND_VAR))
-            deriv = gelu_table(lv, ctx.approximate, one, native)  # (G, 2^bits) GELU' at the levels
-            head = None
-            if xq.head is not None:  # the exact prefix rows (QTensor.head)
-                head = gelu_table(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), native)
-            gx = apply_table(xq, xq[3:9], deriv, g, head, traced)
-        else:  # a stand-in quantizer that stored x as it is (tests)
-            gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
-        return gx if gx.dtype is ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None, None
+        try:
+            (xq,) = saved_packed(ctx)
+            cdt, traced = ctx.cdt, ctx.traced
+            g = gy if gy.dtype is cdt else gy.to(cdt)
+            if type(xq) is QTensor:
+                lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
+                one = (torch.ones_like(lv) if traced
+                       else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
+                native = None if traced else native_for(ENV.get(BACKEND_VAR))
+                # (G, 2^bits) GELU' at the levels (packed.gelu_table; the native call directly)
+                deriv = (gelu_table(lv, ctx.approximate, one) if native is None
+                         else native.gelu_table(lv, one, ctx.approximate, lv.dtype))
+                head = None
+                if xq.head is not None:  # the exact prefix rows (QTensor.head)
+                    head = gelu_table(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), native)
+                gx = apply_table(xq, xq[3:9], deriv, g, head, traced)
+            else:  # a stand-in quantizer that stored x as it is (tests)
+                gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
+            return gx if gx.dtype is ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None, None
+        except BaseException:
+            disarm()  # (the engine drops its callbacks: the workspace would stay held)
+            raise
 
 
 def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
@@ -72,13 +80,15 @@ def gelu_fn(x: torch.Tensor, approximate: str, quant) -> torch.Tensor:
     # under torch.compile the packed input comes out of the Function (dynamo keeps no Python
     # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
-    plan = autocast_plan("gelu", x) if torch.is_autocast_enabled(x.device.type) else None
-    if plan is None:
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
         cdt = x.dtype
         y = _GELU.apply(x, approximate, quant, cdt, False, traced)
     else:
-        cdt = plan[0]
-        y = apply_without_autocast(x.device.type, traced, _GELU.apply, x, approximate, quant, *plan, traced)
+        amp = torch.get_autocast_dtype(dev)  # (what autocast would compute in)
+        cdt = autocast_dtype("gelu", dev, amp, x.dtype) if x.is_floating_point() else x.dtype
+        y = apply_without_autocast(dev, traced, _GELU.apply, x, approximate, quant, cdt, amp == torch.float16,
+                                   traced)
     if not traced:
         return y
     y, qx = output_copy(y, quant, cdt)

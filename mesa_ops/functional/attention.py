@@ -28,10 +28,10 @@ import functools
 
 import torch
 
-from ..amp import apply_without_autocast, as_dtype, fp16_autocast
+from ..amp import apply_without_autocast, as_dtype
 from ..compat import aten_call
-from ..packed import (attach_saved, compiling, hand_on, once_differentiable, output_copy, release,
-                      save_for_backward, saved_tensors)
+from ..packed import compiling, disarm, release
+from ..saved import attach_saved, graph_backward, hand_on, output_copy, save_for_backward, saved_tensors
 from ..quant import quantize_many
 
 aten = torch.ops.aten
@@ -44,14 +44,6 @@ def _probe_dtype(device_type: str, amp_dtype: torch.dtype, in_dtype: torch.dtype
     x = torch.ones(1, 1, 2, 8, dtype=in_dtype, device=device_type)
     with torch.no_grad(), torch.autocast(device_type, dtype=amp_dtype):
         return torch.nn.functional.scaled_dot_product_attention(x, x, x).dtype
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype SDPA computes in for ``x`` under the current autocast state."""
-    dev = x.device.type
-    if not x.is_floating_point() or not torch.is_autocast_enabled(dev):
-        return x.dtype
-    return _probe_dtype(dev, torch.get_autocast_dtype(dev), x.dtype)
 
 
 def build_mask(bias, window_mask, batch: int, dtype):
@@ -190,7 +182,7 @@ class _SDPA(torch.autograd.Function):
         if recompute:
             lse, extra = None, ()
         save_for_backward(ctx, *_pack_all((mods["quant_q"], mods["quant_k"], mods["quant_v"]), (qc, kc, vc),
-                                          amp16, traced), qo, lse, bias, window_mask, *extra)
+                                          amp16, traced), qo, lse, bias, window_mask, *extra, traced=traced)
         ctx.mesa_name = mod
         ctx.choice, ctx.scale, ctx.cdt, ctx.heads, ctx.merge = choice, scale, cdt, H, merge
         ctx.traced = traced
@@ -200,63 +192,71 @@ class _SDPA(torch.autograd.Function):
         return hand_on(ctx, tok, qo, merge and traced, None, quant_o, 3) if merge else out
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, gy, *unused):
+    def backward(ctx, gy, *unused):  # (once_differentiable, spelt out: saved.once_differentiable)
+        if torch.is_grad_enabled():
+            return graph_backward(_SDPA.backward, ctx, gy, *unused)
         if gy is None:  # (out_packed: grads are not materialized, the output took no gradient)
             return (None,) * 12
-        traced, H = ctx.traced, ctx.heads
-        # q, k, v and the output restored as (B, H, L, D) heads from their (B, L, H * D) token
-        # layout (q, k, v by one call where the backend can)
-        items = saved_tensors(ctx, False, 3, traced, H, 4)
-        qh, kh, vh, oh = items[:4]
-        lse, bias, window_mask = items[4:7]
-        extra = items[7:]
-        cdt, scale = ctx.cdt, ctx.scale
-        g = gy.unflatten(2, (H, -1)).transpose(1, 2) if ctx.merge else gy
-        g = g if g.dtype is cdt else g.to(cdt)
-        gbias = None
-        am = None if bias is None and window_mask is None else build_mask(bias, window_mask, qh.shape[0], cdt)
-        if ctx.recompute:
-            # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
-            # backward is then the exact gradient at the dequantized inputs, as the math path's
-            # and the explicit path's are. With the forward's exact logsumexp instead, P =
-            # exp(q~ k~^T s - lse) does not sum to one and its error grows with the logits' (a
-            # bias, issue 20)
-            oh, lse, extra, ctx.max_qk = _fused_forward(ctx.choice, qh, kh, vh, am, scale)
-        if ctx.choice == FLASH and qh.device.type == "cpu":
-            gq, gk, gv = (aten._scaled_dot_product_flash_attention_for_cpu_backward if traced else _CPU_FLASH_BWD)(
-                g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
-        elif ctx.choice == FLASH:
-            cum_q, cum_k, rng, unused = extra
-            d = qh.shape[-1]
-            gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
-                _pad8(g), _pad8(qh), _pad8(kh), _pad8(vh), _pad8(oh), lse, cum_q, cum_k,
-                *ctx.max_qk, 0.0, False, rng, unused, scale=_scale(scale, d))
-            gq, gk, gv = gq[..., :d], gk[..., :d], gv[..., :d]
-        elif ctx.choice == CUDNN:
-            cum_q, cum_k, seed, offset = extra
-            gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
-                g, qh, kh, vh, oh, lse, seed, offset, am, cum_q, cum_k, *ctx.max_qk, 0.0, False,
-                scale=scale)
-        elif ctx.choice == EFFICIENT:
-            seed, offset = extra
-            need_bias = bias is not None and ctx.needs_input_grad[3]
-            gq, gk, gv, gb = aten._scaled_dot_product_efficient_attention_backward(
-                g, qh, kh, vh, _mem_eff_mask(am, qh, kh), oh, lse, seed, offset, 0.0,
-                [True, True, True, need_bias], False, scale=scale)
-            if need_bias:
-                gbias = gb.sum_to_size(bias.shape)
-        else:
-            gq, gk, gv, gbias = _math_backward(g, qh, kh, vh, am, window_mask, scale,
-                                               bias is not None and ctx.needs_input_grad[3])
-            if gbias is not None:  # (H, N, M) with a window mask, else (B, H, N, M)
-                gbias = gbias.unsqueeze(0) if gbias.dim() < bias.dim() else gbias
-                gbias = gbias.sum_to_size(bias.shape)
-        release(*items[:4])  # (the token-layout tensors restored: the head views carry no buffer)
-        dq, dk, dv, db = ctx.dtypes
-        return (gq if gq.dtype is dq else gq.to(dq), gk if gk.dtype is dk else gk.to(dk),
-                gv if gv.dtype is dv else gv.to(dv), as_dtype(gbias, db),
-                None, None, None, None, None, None, None, None)
+        try:
+            traced, H = ctx.traced, ctx.heads
+            # q, k, v and the output restored as (B, H, L, D) heads from their (B, L, H * D) token
+            # layout (q, k, v by one call where the backend can)
+            items = saved_tensors(ctx, False, 3, traced, H, 4)
+            qh, kh, vh, oh = items[:4]
+            lse, bias, window_mask = items[4:7]
+            extra = items[7:]
+            cdt, scale = ctx.cdt, ctx.scale
+            g = gy.view(gy.shape[0], gy.shape[1], H, -1).transpose(1, 2) if ctx.merge else gy
+            g = g if g.dtype is cdt else g.to(cdt)
+            gbias = None
+            am = None if bias is None and window_mask is None else build_mask(bias, window_mask, qh.shape[0], cdt)
+            if ctx.recompute:
+                # the softmax statistics and output of the *stored* q, k, v (one fused forward): the
+                # backward is then the exact gradient at the dequantized inputs, as the math path's
+                # and the explicit path's are. With the forward's exact logsumexp instead, P =
+                # exp(q~ k~^T s - lse) does not sum to one and its error grows with the logits' (a
+                # bias, issue 20)
+                oh, lse, extra, ctx.max_qk = _fused_forward(ctx.choice, qh, kh, vh, am, scale)
+            if ctx.choice == FLASH and qh.device.type == "cpu":
+                gq, gk, gv = (aten._scaled_dot_product_flash_attention_for_cpu_backward if traced else _CPU_FLASH_BWD)(
+                    g, qh, kh, vh, oh, lse, 0.0, False, attn_mask=am, scale=scale)
+            elif ctx.choice == FLASH:
+                cum_q, cum_k, rng, unused = extra
+                d = qh.shape[-1]
+                gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
+                    _pad8(g), _pad8(qh), _pad8(kh), _pad8(vh), _pad8(oh), lse, cum_q, cum_k,
+                    *ctx.max_qk, 0.0, False, rng, unused, scale=_scale(scale, d))
+                gq, gk, gv = gq[..., :d], gk[..., :d], gv[..., :d]
+            elif ctx.choice == CUDNN:
+                cum_q, cum_k, seed, offset = extra
+                gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
+                    g, qh, kh, vh, oh, lse, seed, offset, am, cum_q, cum_k, *ctx.max_qk, 0.0, False,
+                    scale=scale)
+            elif ctx.choice == EFFICIENT:
+                seed, offset = extra
+                need_bias = bias is not None and ctx.needs_input_grad[3]
+                gq, gk, gv, gb = aten._scaled_dot_product_efficient_attention_backward(
+                    g, qh, kh, vh, _mem_eff_mask(am, qh, kh), oh, lse, seed, offset, 0.0,
+                    [True, True, True, need_bias], False, scale=scale)
+                if need_bias:
+                    gbias = gb.sum_to_size(bias.shape)
+            else:
+                gq, gk, gv, gbias = _math_backward(g, qh, kh, vh, am, window_mask, scale,
+                                                   bias is not None and ctx.needs_input_grad[3])
+                if gbias is not None:  # (H, N, M) with a window mask, else (B, H, N, M)
+                    gbias = gbias.unsqueeze(0) if gbias.dim() < bias.dim() else gbias
+                    gbias = gbias.sum_to_size(bias.shape)
+            # (the token-layout tensors restored: the head views carry no buffer)
+            for t in items[:4]:
+                if getattr(t, "_mesa_ws", None) is not None:
+                    release(t)
+            dq, dk, dv, db = ctx.dtypes
+            return (gq if gq.dtype is dq else gq.to(dq), gk if gk.dtype is dk else gk.to(dk),
+                    gv if gv.dtype is dv else gv.to(dv), as_dtype(gbias, db),
+                    None, None, None, None, None, None, None, None)
+        except BaseException:
+            disarm()  # (the engine drops its callbacks: the workspace would stay held)
+            raise
 
 
 def _pad8(t: torch.Tensor) -> torch.Tensor:
@@ -321,7 +321,8 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
     traced = compiling()
     dev = q.device.type
     autocast = torch.is_autocast_enabled(dev)
-    cdt = compute_dtype(q) if autocast else q.dtype
+    amp = torch.get_autocast_dtype(dev) if autocast else None  # (what autocast would compute in)
+    cdt = _probe_dtype(dev, amp, q.dtype) if autocast and q.is_floating_point() else q.dtype
     if window_mask is not None:
         choice = MATH  # 5-D inputs: what F.scaled_dot_product_attention runs for them
     else:
@@ -336,7 +337,7 @@ def sdpa_fn(q, k, v, bias, window_mask, scale: float | None, mod, merge: bool = 
         y = _SDPA.apply(q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, False, traced)
     else:
         y = apply_without_autocast(dev, traced, _SDPA.apply, q, k, v, bias, window_mask, scale, mod, cdt,
-                                   choice, merge, fp16_autocast(q), traced)
+                                   choice, merge, amp == torch.float16, traced)
     if not (merge and traced):
         return y
     quant_o = mod.quant_o

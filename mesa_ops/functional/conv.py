@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..packed import once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import release
+from ..saved import once_differentiable, save_for_backward, saved_tensors
 
 
 class _Conv2d(torch.autograd.Function):

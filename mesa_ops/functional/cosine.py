@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..amp import fp16_autocast
-from ..packed import once_differentiable, release, save_for_backward, saved_tensors
+from ..packed import release
+from ..saved import once_differentiable, save_for_backward, saved_tensors
 
 
 class _Normalize(torch.autograd.Function):

@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..amp import WIDE_DTYPES, apply_without_autocast, as_dtype, autocast_plan
+from ..amp import WIDE_DTYPES, apply_without_autocast, as_dtype, autocast_dtype
 from ..backend import BACKEND_VAR, ENV, native_for
-from ..packed import adopt_saved, compiling, once_differentiable, release, save_for_backward, saved_tensors
+from ..compat import aten_call
+from ..packed import compiling, disarm, release
+from ..saved import adopt_saved, graph_backward, save_for_backward, saved_tensors
+
+
+_UNSAFE_VIEW = aten_call(torch.ops.aten._unsafe_view.default)
 
 
 class _Linear(torch.autograd.Function):
@@ -20,14 +25,21 @@ class _Linear(torch.autograd.Function):
         # nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
         # modified inplace"). ``detach`` makes a tensor of its own over the same memory, no copy
         wc = weight if weight.dtype is cdt else weight.to(cdt)
-        y = F.linear(xc, wc, bias if bias is None or bias.dtype is cdt else bias.to(cdt)).detach()
+        bc = bias if bias is None or bias.dtype is cdt else bias.to(cdt)
+        if not traced and bc is not None and xc.dim() == 3 and xc.is_contiguous():
+            # aten's F.linear of a contiguous 3-D input with a bias (the tokens of a ViT): the
+            # addmm of its rows, then its shape, here by a view autograd does not track as one
+            # (aten's _unsafe_view, as its matmul's): no detach
+            y = _UNSAFE_VIEW(torch.addmm(bc, xc.view(-1, xc.shape[2]), wc.t()), (xc.shape[0], xc.shape[1], wc.shape[0]))
+        else:
+            y = F.linear(xc, wc, bc).detach()
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
         qx = None if rec is None else adopt_saved(ctx, x, quant, dtype=xc.dtype, derived=True, rec=rec)
         if qx is None:
             qx = quant.quantize(xc, amp16, None, traced)
-        save_for_backward(ctx, qx, wc)
+        save_for_backward(ctx, qx, wc, traced=traced)
         ctx.mesa_name = quant  # (described only for an error message)
         ctx.cdt, ctx.x_dtype, ctx.has_bias, ctx.traced = cdt, x.dtype, bias is not None, traced
         ctx.w_dtype = weight.dtype
@@ -35,18 +47,24 @@ class _Linear(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, gy):
-        xh, weight = saved_tensors(ctx, True, 0, ctx.traced)
-        need = ctx.needs_input_grad
-        affine = type(xh) is tuple  # (x-hat, a, c) of a LayerNorm's output
-        x, a, c = xh if affine else (xh, None, None)
-        native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
-        gx, gw, gb = (linear_grads if native is None else native.linear_backward)(
-            gy, x, weight, affine, a, c, need[0], need[1], ctx.has_bias and need[2], ctx.cdt, ctx.x_dtype,
-            ctx.w_dtype, ctx.b_dtype)
-        release(x)
-        return gx, gw, gb, None, None, None, None, None
+    def backward(ctx, gy):  # (once_differentiable, spelt out: saved.once_differentiable)
+        if torch.is_grad_enabled():
+            return graph_backward(_Linear.backward, ctx, gy)
+        try:
+            xh, weight = saved_tensors(ctx, True, 0, ctx.traced)
+            need = ctx.needs_input_grad
+            affine = type(xh) is tuple  # (x-hat, a, c) of a LayerNorm's output
+            x, a, c = xh if affine else (xh, None, None)
+            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
+            gx, gw, gb = (linear_grads if native is None else native.linear_backward)(
+                gy, x, weight, affine, a, c, need[0], need[1], ctx.has_bias and need[2], ctx.cdt, ctx.x_dtype,
+                ctx.w_dtype, ctx.b_dtype)
+            if getattr(x, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
+                release(x)
+            return gx, gw, gb, None, None, None, None, None
+        except BaseException:
+            disarm()  # (the engine drops its callbacks: the workspace would stay held)
+            raise
 
 
 def linear_grads(gy, x, weight, affine: bool, a, c, need_x: bool, need_w: bool, need_b: bool, cdt, x_dtype,
@@ -123,8 +141,10 @@ def linear_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     """y = x W^T + b for x (..., in) -> (..., out); stores x at ``quant.bits`` bits."""
     traced = compiling()
     rec = getattr(x, "_mesa_saved", None)  # (the packed copy another layer attached to x)
-    if not torch.is_autocast_enabled(x.device.type):
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
         return _Linear.apply(x, weight, bias, quant, x.dtype, False, rec, traced)
-    plan = autocast_plan("linear", x)
-    return apply_without_autocast(x.device.type, traced, _Linear.apply, x, weight, bias, quant, *plan, rec,
-                                  traced)
+    amp = torch.get_autocast_dtype(dev)  # (what autocast would compute in)
+    cdt = autocast_dtype("linear", dev, amp, x.dtype) if x.is_floating_point() else x.dtype
+    return apply_without_autocast(dev, traced, _Linear.apply, x, weight, bias, quant, cdt, amp == torch.float16,
+                                  rec, traced)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ..amp import compute_dtype, fp16_autocast, no_autocast
-from ..packed import (find_saved, once_differentiable, release, save_for_backward, saved_record,
-                      saved_tensors)
+from ..packed import release
+from ..saved import find_saved, once_differentiable, save_for_backward, saved_record, saved_tensors
 
 
 def _exact(t: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,12 @@ import functools
 
 import torch
 
-from ..amp import (WIDE_DTYPES as _WIDE, apply_without_autocast, as_dtype, autocast_plan, compute_dtype,
+from ..amp import (WIDE_DTYPES as _WIDE, apply_without_autocast, as_dtype, autocast_dtype, compute_dtype,
                    fp16_autocast, no_autocast)
 from ..backend import BACKEND_VAR, ENV, native_for
-from ..packed import (AffineQTensor, _tnew, attach_saved, compiling, hand_on, once_differentiable,
-                      output_copy, release, save_for_backward, saved_tensors)
+from ..packed import AffineQTensor, _tnew, compiling, disarm, release
+from ..saved import (attach_saved, graph_backward, hand_on, once_differentiable, output_copy,
+                     save_for_backward, saved_tensors)
 
 
 def _cast_params(cdt, x, *params):
@@ -29,7 +30,7 @@ class _LayerNorm(torch.autograd.Function):
     gradients as they are and the input gradient divided by rstd. The packed x-hat also goes out
     (as Softmax's packed output does, so torch.compile sees it) for the Linear fed by y, which
     then stores no second copy: it restores y as x-hat * weight + bias. In eager mode the packed
-    x-hat stays on the node, one output (:func:`~mesa_ops.packed.hand_on`)."""
+    x-hat stays on the node, one output (:func:`~mesa_ops.saved.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16, out_packed=False):
@@ -46,7 +47,7 @@ class _LayerNorm(torch.autograd.Function):
             rstd = torch.rsqrt(var.add_(eps))
         # x-hat = (x - mean) * rstd in float32 or wider (normalized by the kernel as it reads x)
         qx = quant.quantize(xc, amp16, (mean, rstd), out_packed)
-        save_for_backward(ctx, qx, rstd, w, b)
+        save_for_backward(ctx, qx, rstd, w, b, traced=out_packed)
         ctx.mesa_name = quant
         ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
@@ -59,28 +60,34 @@ class _LayerNorm(torch.autograd.Function):
                        quant, 0)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, gy, *unused):
+    def backward(ctx, gy, *unused):  # (once_differentiable, spelt out: saved.once_differentiable)
+        if torch.is_grad_enabled():
+            return graph_backward(_LayerNorm.backward, ctx, gy, *unused)
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return (None,) * 9
-        xh, rstd, w, b = saved_tensors(ctx, False, 0, ctx.traced)
-        need = ctx.needs_input_grad
-        shape = ctx.normalized_shape
-        # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
-        # order that does not depend on the thread count (aten's CPU kernel sums per-thread
-        # partials: another thread count changed their last bits, which stochastic rounding then
-        # amplified: tests/test_determinism.py); elsewhere aten's kernel gives all three
-        need_w, need_b = w is not None and need[2], b is not None and need[3]
-        own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
-               and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
-        native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
-        # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
-        zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
-        gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
-            gy, xh, rstd, zero, one, w, b, shape, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
-            *ctx.p_dtypes)
-        release(xh)
-        return gx, None, gw, gb, None, None, None, None, None
+        try:
+            xh, rstd, w, b = saved_tensors(ctx, False, 0, ctx.traced)
+            need = ctx.needs_input_grad
+            shape = ctx.normalized_shape
+            # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
+            # order that does not depend on the thread count (aten's CPU kernel sums per-thread
+            # partials: another thread count changed their last bits, which stochastic rounding then
+            # amplified: tests/test_determinism.py); elsewhere aten's kernel gives all three
+            need_w, need_b = w is not None and need[2], b is not None and need[3]
+            own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
+                   and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
+            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
+            # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
+            zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
+            gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
+                gy, xh, rstd, zero, one, w, b, shape, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
+                *ctx.p_dtypes)
+            if getattr(xh, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
+                release(xh)
+            return gx, None, gw, gb, None, None, None, None, None
+        except BaseException:
+            disarm()  # (the engine drops its callbacks: the workspace would stay held)
+            raise
 
 
 def layer_norm_grads(gy, xh, rstd, zero, one, w, b, normalized_shape, need_x: bool, need_w: bool,
@@ -117,14 +124,15 @@ def layer_norm_fn(x, normalized_shape, weight, bias, eps, quant) -> torch.Tensor
     # attributes on its nodes); in eager mode the Function's output carries it
     traced = compiling()
     shape = tuple(normalized_shape)
-    plan = autocast_plan("layer_norm", x) if torch.is_autocast_enabled(x.device.type) else None
-    if plan is None:
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
         cdt = x.dtype
         y = _LayerNorm.apply(x, shape, weight, bias, eps, quant, cdt, False, traced)
     else:
-        cdt = plan[0]
-        y = apply_without_autocast(x.device.type, traced, _LayerNorm.apply, x, shape, weight, bias, eps,
-                                   quant, *plan, traced)
+        amp = torch.get_autocast_dtype(dev)  # (what autocast would compute in)
+        cdt = autocast_dtype("layer_norm", dev, amp, x.dtype) if x.is_floating_point() else x.dtype
+        y = apply_without_autocast(dev, traced, _LayerNorm.apply, x, shape, weight, bias, eps, quant, cdt,
+                                   amp == torch.float16, traced)
     if not traced:
         return y
     y, qx = output_copy(y, quant, cdt if cdt in _WIDE else torch.float32)
