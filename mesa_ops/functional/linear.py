@@ -7,12 +7,8 @@ import torch.nn.functional as F
 
 from ..amp import WIDE_DTYPES, apply_without_autocast, as_dtype, autocast_dtype
 from ..backend import BACKEND_VAR, ENV, native_for
-from ..compat import aten_call
 from ..packed import compiling, disarm, release
 from ..saved import adopt_saved, graph_backward, save_for_backward, saved_tensors
-
-
-_UNSAFE_VIEW = aten_call(torch.ops.aten._unsafe_view.default)
 
 
 class _Linear(torch.autograd.Function):
@@ -25,14 +21,7 @@ class _Linear(torch.autograd.Function):
         # nn.ReLU(inplace=True) after the layer raised "Output 0 of _Linear is a view and is being
         # modified inplace"). ``detach`` makes a tensor of its own over the same memory, no copy
         wc = weight if weight.dtype is cdt else weight.to(cdt)
-        bc = bias if bias is None or bias.dtype is cdt else bias.to(cdt)
-        if not traced and bc is not None and xc.dim() == 3 and xc.is_contiguous():
-            # aten's F.linear of a contiguous 3-D input with a bias (the tokens of a ViT): the
-            # addmm of its rows, then its shape, here by a view autograd does not track as one
-            # (aten's _unsafe_view, as its matmul's): no detach
-            y = _UNSAFE_VIEW(torch.addmm(bc, xc.view(-1, xc.shape[2]), wc.t()), (xc.shape[0], xc.shape[1], wc.shape[0]))
-        else:
-            y = F.linear(xc, wc, bc).detach()
+        y = F.linear(xc, wc, bias if bias is None or bias.dtype is cdt else bias.to(cdt)).detach()
         # the packed output of a Mesa SDPA, the packed x-hat of a Mesa LayerNorm or the packed
         # input of a Mesa GELU (stored once) when it is what quant would store; the x-hat and
         # the SDPA output this backward restores are then handed on to those layers' backwards
