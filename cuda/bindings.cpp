@@ -3,6 +3,7 @@
 
 #include "quant_api.h"
 #include "step_plan.h"
+#include "torch_ops.h"
 #if defined(MESA_CUDA_EMULATION)
 #include "cuda_emulation.h"
 #endif
@@ -121,6 +122,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_table", [](const at::Tensor& x, const std::optional<at::Tensor>& grad, const std::string& approximate,
                          py::object dtype) { return mesa::gelu_table(x, grad, approximate, dtype_of(dtype)); },
         "GELU of x (with grad: grad * GELU'(x)) in dtype (on the CPU computed in float64)");
+  m.def("register_ops", &mesa_torch_ops::register_ops,
+        "register this build's kernels of the torch ops mesa::quantize_step / mesa::unpack for 'cpu' or "
+        "'cuda' (cuda/torch_ops.h): false where it has none for that key");
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA

@@ -324,6 +324,7 @@ _REFERENCE = _Reference()
 class _Extension:
     def __init__(self, ext, suffix: str):
         self.name = suffix
+        self.ext = ext  # (mesa_ops.ops registers its kernels of the native torch ops)
         self.quantize = getattr(ext, f"quantize_{suffix}")
         self._d = getattr(ext, f"dequantize_{suffix}")
         self.group_minmax = getattr(ext, f"group_minmax_{suffix}")
@@ -491,21 +492,23 @@ def forced_backend() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def native_for(raw):
+def native_for(raw, cuda: bool = False):
     """The extension's device-independent composites of ATen ops (the layers' gradient math,
     cuda/layer_grads.cpp: the same ops as the pure-PyTorch versions in mesa_ops.functional, in
-    one call) under MESA_BACKEND's raw value ``raw`` (``ENV.get(BACKEND_VAR)``), or None where
-    those run instead (MESA_BACKEND=torch, or no extension built). Cached: a Mesa backward reads
-    it through the cache, without a Python frame (:func:`native_ops` reads the variable)."""
+    one call) under MESA_BACKEND's raw value ``raw`` (``ENV.get(BACKEND_VAR)``), for tensors on a
+    CUDA device (``cuda``: the CUDA build, which the kernels load anyway, where torch counts a GPU;
+    fake CUDA tensors without one take the CPU build's), or None where those run instead
+    (MESA_BACKEND=torch, or that extension not built). Cached: a Mesa backward reads it through
+    the cache, without a Python frame (:func:`native_ops` reads the variable)."""
     if raw is not None and forced_backend() == "torch":
         return None
-    ext = _extension("cpu")
+    ext = _extension("cuda" if cuda and torch.cuda.device_count() > 0 else "cpu")
     return None if isinstance(ext, BaseException) else ext
 
 
-def native_ops():
+def native_ops(cuda: bool = False):
     """:func:`native_for` of MESA_BACKEND's value now."""
-    return native_for(ENV.get(BACKEND_VAR))
+    return native_for(ENV.get(BACKEND_VAR), cuda)
 
 
 def _cuda_backend(forced: bool):

@@ -1,21 +1,24 @@
-"""Mesa's kernels as ``torch.library`` custom ops (namespace ``mesa``), with fake implementations.
+"""Mesa's kernels as torch ops (namespace ``mesa``), with fake implementations, and Mesa's seed stream.
 
-Every quantization goes through :func:`range_update`, :func:`quantize` and :func:`dequantize`:
-while ``torch.compile`` traces they call the registered ops, opaque to the compiler (their fake
-implementations give shapes and dtypes), so a Mesa layer compiles without graph breaks while the
-packed bytes stay those of the kernels in ``cuda/`` (chosen per tensor by
-:func:`mesa_ops.backend.get_backend`); in eager mode they call the same implementations
-directly (no dispatcher overhead).
+While ``torch.compile`` traces, a stored activation is one native op, opaque to the compiler (its
+fake implementation gives shapes and dtypes), so a Mesa layer compiles without graph breaks while
+the packed bytes stay those of the kernels in ``cuda/``; the compiled graphs call the ops' C++
+kernels (cuda/torch_ops.h) through the dispatcher, without a Python frame (issue 48, item 2).
+Eager mode calls the kernels directly (:meth:`mesa_ops.quant.QuantMixin.quantize`'s native step).
 
-  * ``mesa::range_update(x, clip_val!, shift!, iteration!, ...) -> (4, G)``: the running-range
-    update of Mesa (Pan et al., arXiv 2111.11124, Sec. 3.3) in place, optionally with the
-    per-group min/max all-reduced across ranks first; returns rows inv, step, shift, finite.
-    Non-finite activations raise (``nonfinite='raise'``) or warn once (``'skip'``) here.
-  * ``mesa::quantize(x, inv, shift, draws!, name, bits, groups, inner, stochastic, advance)``
-    -> uint8 codes: the stochastic-rounding seed (:func:`make_seed`) hashes torch's generator
-    state without drawing from it, so a run draws the same torch random numbers with Mesa on or
-    off, and the layer's salt and draw counter (resumed from its ``iteration``).
-  * ``mesa::dequantize(packed, step, shift, bits, groups, inner, numel, dtype) -> (numel,)``.
+  * ``mesa::quantize_step(x, groups, inner, clip_val!, shift!, iteration!, decay, 1 - decay,
+    range_mode, bits, update, base, draws!, stochastic, nonfinite_mode, name, salt_name)`` ->
+    (uint8 codes, (4, G) rows inv / step / shift / finite): the running-range update of Mesa (Pan
+    et al., arXiv 2111.11124, Sec. 3.3) in place and the codes, stochastically rounded with the
+    seed :func:`make_seed` gives (torch's generator state hashed without drawing from it, so a
+    run draws the same torch random numbers with Mesa on or off; the salt of ``salt_name`` under
+    Mesa's ``base``; the draw counter, advanced when ``update``). A non-finite activation is
+    reported by :func:`native_nonfinite` (raise or warn once on the CPU, deferred on CUDA).
+  * ``mesa::unpack(packed, step, shift, bits, groups, inner, numel, dtype) -> (numel,)``;
+    ``mesa::pack(x, inv, shift, bits, groups, inner)``: codes rounded to nearest (the ReLU's mask).
+  * ``mesa::range_update`` and ``mesa::quantize``: the same two steps as Python custom ops, for a
+    range all-reduced across ranks (``dist_sync`` under torch.distributed: the all-reduce runs in
+    Python), and :func:`_range_update_impl` / :func:`_quantize_impl` the general eager path.
 """
 from __future__ import annotations
 
@@ -229,12 +232,115 @@ def _dequantize_impl(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tens
     return be.dequantize(packed, step, shift, bits, groups, inner, numel, dtype)
 
 
-_dequantize_op = torch.library.custom_op("mesa::dequantize", _dequantize_impl, mutates_args=())
+# ---- the native ops (issue 48, item 2): C++ kernels the compiled graphs call without Python ----
+# mesa::quantize_step, mesa::unpack and mesa::pack: schemas and fake implementations here; the kernels of
+# cuda/torch_ops.h registered for the CPU / CUDA key by the first call on such a tensor (the
+# Python fallback below: it loads the extension, registers its kernels where they are the ones
+# this tensor's device uses and calls the op again; where they are not -- MESA_BACKEND=torch,
+# no compiler, a failed CUDA self-check -- it computes the same result in Python).
+_LIB = torch.library.Library("mesa", "FRAGMENT")
+_LIB.define("quantize_step(Tensor x, int groups, int inner, Tensor(a!) clip_val, Tensor(b!) shift, "
+            "Tensor(c!) iteration, float decay, float one_minus_decay, int range_mode, int bits, "
+            "bool update, int base, Tensor(d!) draws, bool stochastic, str nonfinite_mode, str name, "
+            "str salt_name) -> (Tensor, Tensor)")
+_LIB.define("unpack(Tensor packed, Tensor step, Tensor shift, int bits, int groups, int inner, "
+            "SymInt numel, ScalarType dtype) -> Tensor")
+_LIB.define("pack(Tensor x, Tensor inv, Tensor shift, int bits, int groups, int inner) -> Tensor")
+_NATIVE_KEYS: dict = {}  # "cpu" / "cuda" -> whether the extension's kernels are registered for it
+_CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@_dequantize_op.register_fake
+def _native_registered(t: torch.Tensor, dtype: torch.dtype, bits: int) -> bool:
+    """Register the extension's kernels of the native ops for ``t``'s device where they are the
+    ones it uses (the C++ build on the CPU; on CUDA the CUDA build once its self-check passed for
+    every dtype at ``bits``); whether they now are."""
+    dev = t.device.type
+    if dev not in ("cpu", "cuda") or dev in _NATIVE_KEYS:
+        return False  # (registered before: the dispatcher would not have come here)
+    be = kernel_for(get_backend(t), t, dtype, bits)
+    ext = getattr(be, "ext", None)
+    if ext is None or be.name != ("cpu" if dev == "cpu" else "cuda") or not hasattr(ext, "register_ops"):
+        return False
+    if dev == "cuda" and any(kernel_for(be, t, d, bits) is not be for d in _CHECKED_DTYPES):
+        return False
+    _NATIVE_KEYS[dev] = ok = bool(ext.register_ops(dev))
+    return ok
+
+
+def _quantize_step_fallback(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, range_mode,
+                            bits, update, base, draws, stochastic, nonfinite_mode, name, salt_name):
+    if _native_registered(x, x.dtype, bits):
+        return torch.ops.mesa.quantize_step.default(
+            x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, range_mode, bits, update,
+            base, draws, stochastic, nonfinite_mode, name, salt_name)
+    params = _range_update_impl(x, clip_val, shift, iteration, groups, inner, decay, range_mode, bits,
+                                update, nonfinite_mode, name, False)
+    seed = 0
+    if stochastic:  # make_seed's, with the salt mix under ``base``
+        n = int(draws[0])
+        if update:
+            draws[0] = n + 1
+        mix = _splitmix64(base ^ _splitmix64(salt_of(salt_name)))
+        seed = _splitmix64(_splitmix64(torch_fingerprint(x.device) ^ mix) ^ n) & _SEED_MASK
+    packed = kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, params[0], params[2], bits, groups,
+                                                                   inner, seed, stochastic)
+    return packed, params
+
+
+def _unpack_fallback(packed, step, shift, bits, groups, inner, numel, dtype):
+    if _native_registered(packed, dtype, bits):
+        return torch.ops.mesa.unpack.default(packed, step, shift, bits, groups, inner, numel, dtype)
+    return _dequantize_impl(packed, step, shift, bits, groups, inner, numel, dtype)
+
+
+def _pack_fallback(x, inv, shift, bits, groups, inner):
+    if _native_registered(x, x.dtype, bits):
+        return torch.ops.mesa.pack.default(x, inv, shift, bits, groups, inner)
+    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
+
+
+_LIB.impl("quantize_step", _quantize_step_fallback, "CompositeExplicitAutograd")
+_LIB.impl("pack", _pack_fallback, "CompositeExplicitAutograd")
+_LIB.impl("unpack", _unpack_fallback, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("mesa::quantize_step", lib=_LIB)
+def _(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, range_mode, bits, update, base,
+      draws, stochastic, nonfinite_mode, name, salt_name):
+    per = 8 // bits
+    return (x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8),
+            x.new_empty((4, groups), dtype=torch.float32))
+
+
+@torch.library.register_fake("mesa::pack", lib=_LIB)
+def _(x, inv, shift, bits, groups, inner):
+    per = 8 // bits
+    return x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("mesa::unpack", lib=_LIB)
 def _(packed, step, shift, bits, groups, inner, numel, dtype):
     return packed.new_empty((numel,), dtype=dtype)
+
+
+def native_nonfinite(flags: torch.Tensor, mode: str, name: str, shape) -> None:
+    """The report of a non-finite activation found by a native op's kernel (cuda/torch_ops.h):
+    at once on the CPU, deferred on CUDA (:func:`report_nonfinite`)."""
+    if flags.is_cuda:
+        nonfinite.defer(flags, mode, name, tuple(shape))
+    elif not bool(flags.all()) and nonfinite.must_report(mode, name):
+        nonfinite.report(mode, name, tuple(shape))
+
+
+def quantize_step(x, groups, inner, clip_val, shift, iteration, decay, range_mode, bits, update, draws,
+                  stochastic, nonfinite_mode, name, salt_name):
+    """``mesa::quantize_step`` (while torch.compile traces; the eager path is
+    :meth:`~mesa_ops.quant.QuantMixin.quantize`'s native step): the range update and the codes
+    of a contiguous ``x`` in one native call -> (packed codes, (4, G) rows inv / step / shift /
+    finite); Mesa's generator base is read here (dynamo guards on it: a new base retraces)."""
+    return torch.ops.mesa.quantize_step.default(x, groups, inner, clip_val, shift, iteration, decay,
+                                                1.0 - decay, range_mode, bits, update, _BASE[0], draws,
+                                                stochastic, nonfinite_mode, name, salt_name)
 
 
 # Eager mode calls the implementations directly (the custom-op dispatch costs ~0.1 ms a call in
@@ -249,6 +355,14 @@ def quantize(*args) -> torch.Tensor:
     return (_quantize_op if torch.compiler.is_compiling() else _quantize_impl)(*args)
 
 
+def pack(x, inv, shift, bits, groups, inner) -> torch.Tensor:
+    """Codes of a contiguous ``x`` rounded to nearest (no draw; the ReLU's mask): the backend's
+    kernel, or while torch.compile traces the native op ``mesa::pack``."""
+    if torch.compiler.is_compiling():
+        return torch.ops.mesa.pack.default(x, inv, shift, bits, groups, inner)
+    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
+
+
 def dequantize(*args) -> torch.Tensor:
-    """``mesa::dequantize`` (see :func:`_dequantize_impl`)."""
-    return (_dequantize_op if torch.compiler.is_compiling() else _dequantize_impl)(*args)
+    """``mesa::unpack`` (see :func:`_dequantize_impl`): while torch.compile traces the native op."""
+    return (torch.ops.mesa.unpack.default if torch.compiler.is_compiling() else _dequantize_impl)(*args)

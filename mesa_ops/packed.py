@@ -269,7 +269,7 @@ class MappedQTensor(NamedTuple):
         dtype, bits = meta[1], meta[2]
         name, *args = meta[6]
         traced = compiling() if traced is None else traced
-        native = None if traced else native_for(ENV.get(BACKEND_VAR))
+        native = None if traced else native_for(ENV.get(BACKEND_VAR), step.is_cuda)
         fn = TABLE_FNS[name]
         table = fn(levels(step, shift, bits, dtype, traced), *args, None, native)
         # the exact prefix rows, through f itself
@@ -392,7 +392,8 @@ class _Workspace:
 
     The buffers are dropped by a callback queued on the backward (``armed``), which the engine
     runs only when the backward succeeds: a backward that raises disarms the workspace in the
-    Mesa backward the exception passes (:func:`once_differentiable`), or else in the next Mesa
+    Mesa backward the exception passes (:func:`~mesa_ops.saved.once_differentiable`, or the
+    same spelt out in the hot backwards), or else in the next Mesa
     forward or backward on this thread (an arm left by another backward is stale)."""
 
     MAX_FREE = 8  # buffers kept for reuse at most
@@ -478,14 +479,11 @@ def in_backward() -> bool:
     return _graph_task_id() != -1
 
 
-_NO_DRAWS = torch.zeros(1, dtype=torch.int64)  # round-to-nearest packing draws nothing
-
-
 def pack_mask(mask_source: torch.Tensor) -> QTensor:
     """1-bit copy of ``mask_source > 0`` (the ReLU mask), through the same packing kernels."""
     x, transposed = _memory_view(mask_source.detach())
     one = torch.ones(1, device=x.device)
     zero = torch.zeros(1, device=x.device)
-    packed = ops.quantize(x, one, zero, _NO_DRAWS, "", 1, 1, x.numel() or 1, False, False)
+    packed = ops.pack(x, one, zero, 1, 1, x.numel() or 1)
     return QTensor(packed, one, zero, mask_source.shape, mask_source.dtype, 1, 1, x.numel() or 1,
                    transposed)

@@ -45,7 +45,8 @@ from .draws import DrawStream
 from .reference import RANGE_MODES
 from .settings import (IGNORED_KEYS, KEYS, NONFINITE_MODES, SUPPORTED_BITS, PolicyError,
                        _index_list, _int, _META_KEYS, _nonneg_int, _tag_list, parse_groups)
-from .packed import CHANNELS_LAST, QTensor, _graph_task_id, _memory_view, compiling, in_backward, restorer
+from .packed import (CHANNELS_LAST, QTensor, _graph_task_id, _memory_view, _tnew, compiling, in_backward,
+                     restorer)
 # the storage helpers lived here before mesa_ops/packed.py: still importable from this module
 from .packed import AffineQTensor, MappedQTensor, pack_mask, release  # noqa: F401
 from .saved import attach_saved, find_saved, once_differentiable, save_for_backward, saved_tensors  # noqa: F401
@@ -351,7 +352,8 @@ class QuantMixin(DrawStream):
         (:class:`_StepPlan`); where the kernel cannot apply ``norm`` (a batch norm's (1, C, 1, 1)
         statistics) the plan of x-hat, which torch computes first, as its ``xhat``. Kept in the
         layer's ``__dict__`` until an attribute of the layer is set to another value
-        (:meth:`__setattr__`) or its buffers are moved (:meth:`_apply`)."""
+        (:meth:`__setattr__`); a plan checks the state it was made for at each call (buffers
+        moved or replaced: the general path, which makes a new one)."""
         be = kernel_for(get_backend(x), x, x.dtype, self._bits)
         sync = bool(self.dist_sync)
         if not getattr(be, "has_quantize_step", False):  # (the reference: the general path)
@@ -452,23 +454,24 @@ class QuantMixin(DrawStream):
         args = (xs, plan.groups, plan.inner, clip, shift, it, *plan.consts, update, mix, draws,
                 plan.stochastic, plan.mode == "skip", plan.stochastic,
                 *((None, None) if norm is None else norm), head)
-        return be, args, (xs, it, draws, plan, x.shape, head)
+        return be, args, (x, it, draws, plan, x.shape, head)
 
     def _step_result(self, result, info) -> QTensor:
         """The QTensor of a :meth:`_step_call`'s kernel result (and its bookkeeping)."""
         packed, step, sh, finite, rows = result
-        xs, it, draws, plan, shape, head = info
+        x, it, draws, plan, shape, head = info
         self.__dict__["_it_seen"] = (it, it._version, draws, draws._version)  # (_seen_iteration)
         if plan.native is not None:  # (and the native step's, which checks it before each call)
             plan.native.see(it, draws)
         if finite is not True:  # False (CPU), or None: only the device knows (CUDA)
-            ops.report_nonfinite(rows[3], finite, plan.mode, self, xs)
+            ops.report_nonfinite(rows[3], finite, plan.mode, self, x)  # (x as given: its shape named)
         return _tnew(QTensor, (packed, step, sh, shape, plan.dtype, plan.consts[3], plan.groups,
                                plan.inner, plan.transposed, head))
 
     def _quantize_general(self, x: torch.Tensor, amp16: bool, norm=None) -> QTensor:
         """Range update (all-reduced across ranks with ``dist_sync``) and quantization as two
-        calls through :mod:`mesa_ops.ops` (torch.compile traces this path)."""
+        calls through :mod:`mesa_ops.ops`; while torch.compile traces, one native op
+        (``mesa::quantize_step``) unless the range is all-reduced across several ranks."""
         range_code = self._range_code()
         mode = self._nonfinite_mode(amp16)
         d = float(self.ema_decay)
@@ -480,13 +483,19 @@ class QuantMixin(DrawStream):
         xs, transposed, g, inner = self._layout(x.detach(), copy=True)
         salt_name = self.salt_name()
         clip, shift, it = self._state()
-        draws = self._draws if compiling() else self._draws_for(it)
+        traced = compiling()
+        draws = self._draws if traced else self._draws_for(it)
+        if traced and not (self.dist_sync and ops.dist_world() > 1):  # (one native op: mesa::quantize_step;
+            # the world as it is when dynamo traces)
+            packed, params = ops.quantize_step(xs, g, inner, clip, shift, it, d, range_code, bits, update,
+                                               draws, bool(self.stochastic), mode, name, salt_name)
+            return QTensor(packed, params[1], params[2], x.shape, x.dtype, bits, g, inner, transposed)
         params = ops.range_update(xs, clip, shift, it, g, inner, d, range_code, bits,
                                   update, mode, name, bool(self.dist_sync))
         inv, step, sh = params[0], params[1], params[2]
         packed = ops.quantize(xs, inv, sh, draws, salt_name, bits, g, inner,
                               bool(self.stochastic), update)
-        if not compiling():
+        if not traced:
             self._seen_iteration(it)
         return QTensor(packed, step, sh, x.shape, x.dtype, bits, g, inner, transposed)
 
@@ -502,7 +511,6 @@ _REENTRANT_BACKWARD = "CheckpointFunctionBackward"
 
 _UNSET = object()
 _F32 = torch.float32
-_tnew = tuple.__new__  # (a NamedTuple made without its Python __new__: once per stored activation)
 
 
 class _StepPlan(NamedTuple):

@@ -217,18 +217,19 @@ def save_for_backward(ctx, *items, traced: bool | None = None) -> None:
     if ws is not None and ws.armed and _p._graph_task_id() == -1:
         ws.clear()  # a forward outside any backward: the last backward raised, elsewhere
     flat, layout = [], []
+    # (meta by index, not q[3:9]: dynamo before torch 2.9 cannot slice a NamedTuple)
     for it in items:
         kind = type(it)
         if kind is QTensor:
-            layout.append((QTensor, len(flat), it[3:9]))
+            layout.append((QTensor, len(flat), (it[3], it[4], it[5], it[6], it[7], it[8])))
             flat += (it[0], it[1], it[2], it[9])
         elif kind is AffineQTensor:
             q = it[0]
-            layout.append((AffineQTensor, len(flat), q[3:9]))
+            layout.append((AffineQTensor, len(flat), (q[3], q[4], q[5], q[6], q[7], q[8])))
             flat += (q[0], q[1], q[2], q[9], it[1], it[2])
         elif kind is MappedQTensor:
             q = it[0]
-            layout.append((MappedQTensor, len(flat), q[3:9] + (it[1],)))
+            layout.append((MappedQTensor, len(flat), (q[3], q[4], q[5], q[6], q[7], q[8], it[1])))
             flat += (q[0], q[1], q[2], q[9])
         else:
             layout.append((None, len(flat), None))

@@ -520,7 +520,7 @@ def _nvcc() -> str | None:
 
 CUDA_OPS = ("quantize_cuda", "dequantize_cuda", "dequantize_out_cuda", "lut_apply_out_cuda",
             "levels_cuda", "group_minmax_cuda", "range_update_cuda", "quantize_step_cuda",
-            "generator_fingerprint_cuda", "quantize_cpu")
+            "generator_fingerprint_cuda", "quantize_cpu", "register_ops")
 
 
 def _toolkit_mismatch() -> str | None:

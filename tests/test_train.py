@@ -481,6 +481,10 @@ def test_epoch_lines(tmp_path, capsys):
     assert float(lines[-1][1]) == pytest.approx(stats["test_acc1"], abs=0.05)
     for other in ("Epoch: [", "Averaged stats", "* Acc@1", "Accuracy of the network", "Test:"):
         assert other not in text, other
+    run(TINY + FAKE + ["--epochs", "1", "--epoch-lines", "--model-ema-eval", "--no-tensorboard"])
+    text = capsys.readouterr().out  # (with the EMA evaluated: its top-1 on the same line)
+    assert re.findall(r"^Epoch 1/1: .* EMA top-1 [\d.]+%$", text, re.MULTILINE), text
+    assert "Accuracy of the EMA" not in text and "* Acc@1" not in text
 
 
 def test_tqdm_bar_only_on_a_terminal(capsys, monkeypatch):

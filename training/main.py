@@ -300,17 +300,20 @@ def _restart_ema(model_ema, model) -> None:
         model_ema.set(model)
 
 
-def _evaluate_ema(model_ema, model, loader_val, device, args, num_classes: int, n_images: int) -> dict:
+def _evaluate_ema(model_ema, model, loader_val, device, args, num_classes: int, n_images: int,
+                  summary: bool = True) -> dict:
     """Evaluate the EMA weights (``--model-ema-eval``): ModelEmaV3's copy, or the sharded EMA put
-    into the FSDP model for the evaluation."""
+    into the FSDP model for the evaluation. ``summary`` False: no lines (the epoch's line has it)."""
+    quiet = args.tqdm or not summary
     if isinstance(model_ema, fsdp.ShardedModelEma):
         with model_ema.applied(model):
-            stats = evaluate(loader_val, model, device, args.amp, num_classes, quiet=args.tqdm,
-                             print_freq=args.print_freq * 10)
+            stats = evaluate(loader_val, model, device, args.amp, num_classes, quiet=quiet,
+                             print_freq=args.print_freq * 10, summary=summary)
     else:
-        stats = evaluate(loader_val, model_ema.module, device, args.amp, num_classes, quiet=args.tqdm,
-                         print_freq=args.print_freq * 10)
-    log(f"Accuracy of the EMA model on the {n_images} test images: {stats['acc1']:.1f}%")
+        stats = evaluate(loader_val, model_ema.module, device, args.amp, num_classes, quiet=quiet,
+                         print_freq=args.print_freq * 10, summary=summary)
+    if summary:
+        log(f"Accuracy of the EMA model on the {n_images} test images: {stats['acc1']:.1f}%")
     return stats
 
 
@@ -510,14 +513,15 @@ def _run(args, dist_info) -> dict:
                               summary=not args.epoch_lines)
         if model_ema is not None and args.model_ema_eval:
             ema_stats = _evaluate_ema(model_ema, model_without_ddp, loader_val, device, args, num_classes,
-                                      len(val_set))
+                                      len(val_set), summary=not args.epoch_lines)
             test_stats.update({f"ema_{k}": v for k, v in ema_stats.items()})
         best = test_stats["acc1"] > max_accuracy
         max_accuracy = max(max_accuracy, test_stats["acc1"])
         if args.epoch_lines:
             log(f"Epoch {epoch + 1}/{args.epochs}: loss {train_stats['loss']:.4f}  lr {train_stats['lr']:.6f}  "
                 f"step {train_stats['step_ms']:.1f} ms  saved activations {train_stats['saved_act_mib']:.2f} MiB  "
-                f"top-1 {test_stats['acc1']:.1f}% (best {max_accuracy:.1f}%)")
+                f"top-1 {test_stats['acc1']:.1f}% (best {max_accuracy:.1f}%)"
+                + (f"  EMA top-1 {test_stats['ema_acc1']:.1f}%" if "ema_acc1" in test_stats else ""))
         elif not args.tqdm:
             log(f"Accuracy of the network on the {len(val_set)} test images: {test_stats['acc1']:.1f}%")
             log(f"Max accuracy: {max_accuracy:.2f}%")

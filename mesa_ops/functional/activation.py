@@ -29,8 +29,8 @@ class _GELU(torch.autograd.Function):
     """GELU storing its input x packed. The backward reads GELU'(x) off a table of GELU' at
     the 2^bits values each group's codes take (no per-element erf/exp, no dequantized copy);
     the packed x also goes out, so that the next Linear restores its input GELU(x) through a
-    table of GELU instead of storing a second copy (in eager mode it stays on the node,
-    one output: :func:`~mesa_ops.saved.hand_on`)."""
+    table of GELU instead of storing a second copy (in eager mode the Function has one output,
+    which carries the copy as an attribute: :func:`~mesa_ops.saved.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, approximate, quant, cdt, amp16, out_packed=False):
@@ -59,14 +59,14 @@ class _GELU(torch.autograd.Function):
                 lv = levels(xq.step, xq.shift, xq.bits, xq.dtype, traced)
                 one = (torch.ones_like(lv) if traced
                        else _ones(lv.shape, lv.dtype, lv.device, getattr(lv, "fake_mode", None)))
-                native = None if traced else native_for(ENV.get(BACKEND_VAR))
+                native = None if traced else native_for(ENV.get(BACKEND_VAR), lv.is_cuda)
                 # (G, 2^bits) GELU' at the levels (packed.gelu_table; the native call directly)
                 deriv = (gelu_table(lv, ctx.approximate, one) if native is None
                          else native.gelu_table(lv, one, ctx.approximate, lv.dtype))
                 head = None
                 if xq.head is not None:  # the exact prefix rows (QTensor.head)
                     head = gelu_table(xq.head, ctx.approximate, g.narrow(-2, 0, xq.head.shape[-2]), native)
-                gx = apply_table(xq, xq[3:9], deriv, g, head, traced)
+                gx = apply_table(xq, (xq[3], xq[4], xq[5], xq[6], xq[7], xq[8]), deriv, g, head, traced)
             else:  # a stand-in quantizer that stored x as it is (tests)
                 gx = torch.ops.aten.gelu_backward(g, xq, approximate=ctx.approximate)
             return gx if gx.dtype is ctx.x_dtype else gx.to(ctx.x_dtype), None, None, None, None, None

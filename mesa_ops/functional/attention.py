@@ -156,7 +156,9 @@ def _fused_forward(choice: int, q, k, v, am, scale):
 
 class _SDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, traced=False):
+    def forward(ctx, q, k, v, bias, window_mask, scale, mod, cdt, choice, merge, amp16, traced=None):
+        if traced is None:  # (sdpa_fn passes it: asked once per call there)
+            traced = compiling()
         qc = q if q.dtype is cdt else q.to(cdt)
         kc = k if k.dtype is cdt else k.to(cdt)
         vc = v if v.dtype is cdt else v.to(cdt)
@@ -173,7 +175,9 @@ class _SDPA(torch.autograd.Function):
         quant_o = mods["quant_o"]
         ctx.recompute = recompute = choice != MATH and mod.reruns_forward()
         # (B, N, H * D): the merged output, and the layout q, k, v and the output are stored in
-        tok = out.transpose(1, 2).reshape(B, N, H * D) if merge or not recompute else None
+        # (made where it is returned or packed: a MATH output or an exact one is kept as it is)
+        tok = (out.transpose(1, 2).reshape(B, N, H * D)
+               if merge or (choice != MATH and not recompute and quant_o.enable) else None)
         # the backward's rerun gives the output and softmax statistics: the forward's are kept
         # only for the next layer (``attn.proj`` adopts the token-layout output copy)
         qo = None

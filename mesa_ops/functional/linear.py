@@ -13,7 +13,9 @@ from ..saved import adopt_saved, graph_backward, save_for_backward, saved_tensor
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, quant, cdt, amp16, rec, traced=False):
+    def forward(ctx, x, weight, bias, quant, cdt, amp16, rec, traced=None):
+        if traced is None:  # (linear_fn passes it: asked once per call there)
+            traced = compiling()
         xc = x if x.dtype is cdt else x.to(cdt)
         # F.linear(x, w, b) (the same call, the same bits) as an output that is not a view: aten
         # returns the addmm of the flattened rows of a 3-D or larger input as a view of it, and a
@@ -44,7 +46,7 @@ class _Linear(torch.autograd.Function):
             need = ctx.needs_input_grad
             affine = type(xh) is tuple  # (x-hat, a, c) of a LayerNorm's output
             x, a, c = xh if affine else (xh, None, None)
-            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
+            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR), gy.is_cuda)
             gx, gw, gb = (linear_grads if native is None else native.linear_backward)(
                 gy, x, weight, affine, a, c, need[0], need[1], ctx.has_bias and need[2], ctx.cdt, ctx.x_dtype,
                 ctx.w_dtype, ctx.b_dtype)

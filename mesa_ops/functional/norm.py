@@ -29,8 +29,9 @@ class _LayerNorm(torch.autograd.Function):
     needs: with x-hat as the input, mean 0 and rstd 1, aten's backward gives the weight and bias
     gradients as they are and the input gradient divided by rstd. The packed x-hat also goes out
     (as Softmax's packed output does, so torch.compile sees it) for the Linear fed by y, which
-    then stores no second copy: it restores y as x-hat * weight + bias. In eager mode the packed
-    x-hat stays on the node, one output (:func:`~mesa_ops.saved.hand_on`)."""
+    then stores no second copy: it restores y as x-hat * weight + bias. In eager mode the
+    Function has one output, which carries the packed x-hat as an attribute
+    (:func:`~mesa_ops.saved.hand_on`)."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps, quant, cdt, amp16, out_packed=False):
@@ -76,7 +77,7 @@ class _LayerNorm(torch.autograd.Function):
             need_w, need_b = w is not None and need[2], b is not None and need[3]
             own = (gy.device.type == "cpu" and ctx.cdt in _WIDE and (need_w or need_b)
                    and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
-            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR))
+            native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR), gy.is_cuda)
             # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
             zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
             gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
