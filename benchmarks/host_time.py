@@ -26,6 +26,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from collections import Counter
 
 import torch
@@ -207,6 +208,8 @@ def measure_compiled(model: str = "deit_tiny_patch16_224", precision: str = "fp3
     setups = _steppers(model, precision)
     amp = PRECISIONS[precision]
     steppers = {}
+    # (dynamo traces through the layers' lru_cache'd lookups, of constant results: said once each)
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
     for mode, (net, _, x, _) in setups.items():
         compiled = torch.compile(net)
         params = [p for p in net.parameters() if p.requires_grad]
@@ -254,8 +257,8 @@ def main(argv=None) -> None:
     ap.add_argument("--precisions", nargs="*", default=list(PRECISIONS), choices=list(PRECISIONS))
     ap.add_argument("--calls", type=int, default=2000, help="calls per layer row")
     ap.add_argument("--steps", type=int, default=40, help="timed steps per whole-step row")
-    ap.add_argument("--compiled", nargs="*", default=["deit_tiny_patch16_224"],
-                    help="the compiled-step rows' models (none: no compiled rows; ~1.5 min each to compile)")
+    ap.add_argument("--compiled", nargs="*", default=["deit_tiny_patch16_224", "deit_small_patch16_224"],
+                    help="the compiled-step rows' models (none: no compiled rows; ~1-2 min each to compile)")
     args = ap.parse_args(argv)
     backend.get_backend(torch.zeros(1))  # (the extension built before anything is timed)
     print(f"# host time per call (us), torch {torch.__version__}, {torch.get_num_threads()} thread(s), "

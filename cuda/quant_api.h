@@ -270,6 +270,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
     const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head);
 int64_t generator_fingerprint_cpu();
+// quantize_step_cpu without row statistics or head rows, its (4, G) rows in an allocation of their
+// own (a torch op's outputs may not share storage: cuda/torch_ops.h): (packed, all finite, rows)
+std::tuple<at::Tensor, bool, at::Tensor> quantize_step_cpu_own_rows(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    bool prefix_of_mix);
 
 // (packed, step, shift, the host's "all finite" (CPU) or none (CUDA: on the device), (4, G)
 // rows, the exact prefix rows or undefined): what a StepPlan's kernel returns (step_plan.h)

@@ -77,8 +77,7 @@ inline void for_group_runs(int64_t begin, int64_t end, int64_t inner, int64_t gr
 }
 
 // Codes of elements [begin, end) of one tile into codes[0, end - begin). A run of one group lies
-// in one row of `x`, so it is contiguous in memory; the row is tracked as the runs advance (no
-// division per run).
+// in one row of `x` (contiguous); the row is tracked as the runs advance (no division per run).
 template <typename scalar_t>
 void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t begin,
                    int64_t end, const float* inv, const float* shift, int64_t inner, int64_t groups,
@@ -125,8 +124,8 @@ void quantize_tile(const Rows<scalar_t>& x, uint8_t* __restrict__ codes, int64_t
   });
 }
 
-// Packs n codes of BITS bits (low bits first) into ceil(n * BITS / 8) bytes. BITS is a template
-// parameter so the inner loops have constant trip counts and vectorise.
+// Packs n codes of BITS bits (low bits first) into ceil(n * BITS / 8) bytes (BITS a template
+// parameter: constant trip counts, vectorised loops).
 template <int BITS>
 inline void pack_codes_t(const uint8_t* __restrict__ codes, int64_t n, uint8_t* __restrict__ out) {
   constexpr int per = 8 / BITS;
@@ -206,11 +205,9 @@ void put_head(at::Tensor& out, const HeadRows& hr) {
     std::memcpy(o + head_source<int64_t>(k, hr.C, hr.N, hr.P) * es, h + k * es, hr.C * es);
 }
 
-// The exact prefix rows of what quantize_step stores (x as it is, or with row statistics its
-// normalized x-hat in float32) into the head (head_source: element h holds x's element e).
-// A head row (C elements along x's last dim) lies in one readable row of x (its length is the
-// last dim or all of x) and in one row of the statistics (whole rows of the normalized dims):
-// one index computation per head row, none per element.
+// The exact prefix rows of what quantize_step stores (x, or its float32 x-hat) into the head
+// (head_source: element h holds x's element e). A head row (C elements along the last dim) lies
+// in one readable row of x and one row of the statistics: one index computation per head row.
 void take_head(const at::Tensor& x, int64_t inner, const RowNorm& rn, const HeadRows& hr) {
   if (hr.p == nullptr) return;
   int64_t row_len = 0, row_stride = 0;
@@ -458,11 +455,10 @@ at::Tensor dequantize_out_cpu(const at::Tensor& packed, const at::Tensor& step,
 
 
 
-// out = table[g][code] (times mul, elementwise, when given): a function of the stored tensor
-// restored from its codes through a 2^bits-entry table per group (Mesa GELU: its output for the
-// next Linear, its derivative for its own backward). table (G, 2^bits), mul and out: out's dtype;
-// mul and out contiguous. The product is taken in the op-math type (float for fp16/bf16), as
-// torch's mul does. With `head` (HeadRows) its rows are out's first rows along dim -2 as they are.
+// out = table[g][code] (* mul, elementwise, when given): a function of the stored tensor through a
+// 2^bits-entry table per group (Mesa GELU: its output, its derivative). table (G, 2^bits), mul and
+// out: out's dtype, mul and out contiguous; the product in the op-math type (float for fp16/bf16),
+// as torch's mul. `head` (HeadRows): out's first rows along dim -2 as they are.
 at::Tensor lut_apply_out_cpu(const at::Tensor& packed, const at::Tensor& table, int64_t bits,
                              int64_t groups, int64_t inner, at::Tensor out,
                              const std::optional<at::Tensor>& mul,
@@ -590,20 +586,14 @@ int64_t generator_fingerprint_cpu() {
   return crc32_bytes(b, kFingerprintBytes);
 }
 
-// One call for what a Mesa layer does to store an activation: range_update_cpu, then
-// quantize_cpu with the rows it returns (inv, shift), reading x twice (min/max, codes) but in
-// one dispatch and without copying a strided x. With mark_nonfinite, the shift of a non-finite
-// group is NaN in the returned rows and in the codes (as the Python path under nonfinite='skip').
-// The stochastic-rounding seed is that of mesa_ops.ops.make_seed: splitmix64(prefix ^ n) with
-// the 62 low bits kept, n = draws[0] (the quantizer's (1,) int64 draw counter, advanced by one
-// when `update`); `prefix` is ops.seed_prefix (its 64 bits passed as a signed integer), or with
-// `prefix_of_mix` the salt mix that ops.seed_prefix hashes with torch's generator state
-// (ops.salt_mix): the prefix is then splitmix64(generator_fingerprint_cpu() ^ mix), taken here
-// (the state hashed in C++, one Python step less per stored activation).
-// With `head` (HeadRows: x.narrow(-2, 0, P)'s shape, contiguous, x's dtype or float32 with row
-// statistics) the first P rows along dim -2 of what is stored are also written there exactly.
-// Returns (packed codes, step (G,), shift (G,), whether every group was finite, (4, G) rows);
-// step and shift are rows 1 and 2.
+// One call for what a Mesa layer does to store an activation: range_update_cpu, then quantize_cpu
+// with its rows (inv, shift), in one dispatch, a strided x read in place. mark_nonfinite: a
+// non-finite group's shift is NaN (nonfinite='skip'). Seed: ops.make_seed's, splitmix64(prefix ^ n)
+// (62 bits), n = draws[0] (advanced when `update`); prefix ops.seed_prefix, or with prefix_of_mix
+// splitmix64(generator_fingerprint_cpu() ^ mix), mix = ops.salt_mix (the state hashed here).
+// `head` (HeadRows: x.narrow(-2, 0, P)'s shape, contiguous, x's dtype or float32 with row
+// statistics): the first P rows along dim -2 of what is stored, written there exactly.
+// Returns (packed, step (G,), shift (G,), all finite, (4, G) rows); step / shift: rows 1 and 2.
 namespace {
 // quantize_step_cpu; with `head_sizes` (not null, not empty) the exact prefix rows are not given
 // but made here, in `head_dtype`, in the same allocation as the rows and codes (between them:
@@ -614,7 +604,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_i
     bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
     bool prefix_of_mix, const std::optional<at::Tensor>& row_mean,
     const std::optional<at::Tensor>& row_rstd, const std::optional<at::Tensor>& head,
-    const std::vector<int64_t>* head_sizes, at::ScalarType head_dtype, at::Tensor* head_out) {
+    const std::vector<int64_t>* head_sizes, at::ScalarType head_dtype, at::Tensor* head_out,
+    bool own_rows = false) {
   check_cpu_input("quantize_step_cpu", x, groups, inner);
   RowNorm rn;
   rn.len = row_norm_len("quantize_step_cpu", x, inner, row_mean, row_rstd);
@@ -630,9 +621,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_i
     for (const int64_t s : *head_sizes) n *= s;
     head_bytes = n * static_cast<int64_t>(c10::elementSize(head_dtype));
   }
-  const at::Tensor block = at::empty({16 * groups + head_bytes + nbytes}, x.options().dtype(at::kByte));
+  // (own_rows: the rows in an allocation of their own, the codes and head rows in another)
+  const int64_t rows_bytes = own_rows ? 0 : 16 * groups;
+  const at::Tensor block = at::empty({rows_bytes + head_bytes + nbytes}, x.options().dtype(at::kByte));
   if (head_bytes > 0) {
-    own_head = storage_view(block, head_dtype, 16 * groups / static_cast<int64_t>(c10::elementSize(head_dtype)),
+    own_head = storage_view(block, head_dtype, rows_bytes / static_cast<int64_t>(c10::elementSize(head_dtype)),
                             *head_sizes);
     *head_out = *own_head;
   }
@@ -648,7 +641,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_i
                                               prefix_of_mix ? generator_fingerprint_cpu() : 0,
                                               update)
                                    : 0;
-  const at::Tensor params = storage_view(block, at::kFloat, 0, {4, groups});
+  const at::Tensor params = own_rows ? at::empty({4, groups}, x.options().dtype(at::kFloat))
+                                     : storage_view(block, at::kFloat, 0, {4, groups});
   float* o = params.data_ptr<float>();
   const bool finite = range_update_into(x, groups, inner, clip_val, shift, iteration, decay,
                                         one_minus_decay, range_mode, bits, update, o, rn);
@@ -656,10 +650,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_i
     for (int64_t g = 0; g < groups; ++g)
       if (o[3 * groups + g] == 0.0f) o[2 * groups + g] = std::numeric_limits<float>::quiet_NaN();
   }
-  const at::Tensor packed = storage_view(block, at::kByte, 16 * groups + head_bytes, {nbytes});
+  const at::Tensor packed = storage_view(block, at::kByte, rows_bytes + head_bytes, {nbytes});
   quantize_into(x, o, o + 2 * groups, bits, groups, inner, seed, stochastic,
                 packed.data_ptr<uint8_t>(), rn);
   take_head(x, inner, rn, hr);
+  if (own_rows) return {packed, params[1], params[2], finite, params};
   return {packed, storage_view(block, at::kFloat, groups, {groups}),
           storage_view(block, at::kFloat, 2 * groups, {groups}), finite, params};
 }
@@ -674,6 +669,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, bool, at::Tensor> quantize_step_c
   return quantize_step_impl(x, groups, inner, std::move(clip_val), std::move(shift), std::move(iteration), decay,
                             one_minus_decay, range_mode, bits, update, seed_prefix, std::move(draws), stochastic,
                             mark_nonfinite, prefix_of_mix, row_mean, row_rstd, head, nullptr, at::kFloat, nullptr);
+}
+
+std::tuple<at::Tensor, bool, at::Tensor> quantize_step_cpu_own_rows(
+    const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val, at::Tensor shift,
+    at::Tensor iteration, double decay, double one_minus_decay, int64_t range_mode, int64_t bits,
+    bool update, int64_t seed_prefix, at::Tensor draws, bool stochastic, bool mark_nonfinite,
+    bool prefix_of_mix) {
+  auto r = quantize_step_impl(x, groups, inner, std::move(clip_val), std::move(shift), std::move(iteration), decay,
+                              one_minus_decay, range_mode, bits, update, seed_prefix, std::move(draws), stochastic,
+                              mark_nonfinite, prefix_of_mix, std::nullopt, std::nullopt, std::nullopt, nullptr,
+                              at::kFloat, nullptr, /*own_rows=*/true);
+  return {std::get<0>(r), std::get<3>(r), std::get<4>(r)};
 }
 
 StepResult quantize_step_cpu_plan(const at::Tensor& x, int64_t groups, int64_t inner, at::Tensor clip_val,

@@ -37,8 +37,8 @@ inline void report_nonfinite(const at::Tensor& flags, const std::string& mode, c
 
 // mesa::quantize_step(x, groups, inner, clip_val!, shift!, iteration!, decay, one_minus_decay,
 // range_mode, bits, update, base, draws!, stochastic, nonfinite_mode, name, salt_name)
-// -> (packed codes, (4, G) rows inv / step / shift / finite): the range update and the codes of a
-// contiguous x in one call, seeded as the eager step (torch's generator state hashed with the
+// -> (packed codes, (4, G) rows inv / step / shift / finite; two allocations: a torch op's outputs
+// may not share storage): the range update and the codes of a contiguous x in one call, seeded as the eager step (torch's generator state hashed with the
 // salt mix of `salt_name` under `base`, and the draw counter, advanced when `update`).
 template <bool kCuda>
 std::tuple<at::Tensor, at::Tensor> quantize_step(const at::Tensor& x, int64_t groups, int64_t inner,
@@ -62,12 +62,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_step(const at::Tensor& x, int64_t gr
   }
 #endif
   if constexpr (!kCuda) {
-    auto r = mesa::quantize_step_cpu(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay,
-                                     range_mode, bits, update, mix, draws, stochastic, mode == "skip",
-                                     stochastic, std::nullopt, std::nullopt, std::nullopt);
+    auto r = mesa::quantize_step_cpu_own_rows(x, groups, inner, clip_val, shift, iteration, decay,
+                                              one_minus_decay, range_mode, bits, update, mix, draws, stochastic,
+                                              mode == "skip", stochastic);
     packed = std::get<0>(r);
-    rows = std::get<4>(r);
-    finite = std::get<3>(r);
+    finite = std::get<1>(r);
+    rows = std::get<2>(r);
   }
   if (!finite) report_nonfinite(rows[3], mode, std::string(name.data(), name.size()), x.sizes());
   return {packed, rows};

@@ -160,6 +160,20 @@ def test_native_ops_are_cpp_kernels_equal_to_their_python_fallback(monkeypatch):
     assert not torch.equal(torch.ops.mesa.quantize_step(*other)[0], packed)
 
 
+def test_native_ops_pass_torch_library_opcheck():
+    """Schemas (mutations declared), fake implementations, autograd registration and AOT dispatch
+    as torch.library.opcheck checks them; no output shares storage with another or an input."""
+    x = torch.randn(4, 6)
+    packed, rows = torch.ops.mesa.quantize_step(*_step_args(x))
+    assert packed.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
+    calls = [(torch.ops.mesa.quantize_step.default, _step_args(x)),
+             (torch.ops.mesa.unpack.default, (packed, rows[1], rows[2], 4, 3, 2, 24, torch.float32)),
+             (torch.ops.mesa.pack.default, ((x > 0).float().reshape(-1), torch.ones(1), torch.zeros(1), 1, 1, 24))]
+    for op, args in calls:
+        got = torch.library.opcheck(op, args)
+        assert set(got.values()) == {"SUCCESS"}, (op, got)
+
+
 def test_native_op_reports_a_nonfinite_activation_by_name():
     x = torch.randn(4, 6)
     x[1, 2] = float("nan")
