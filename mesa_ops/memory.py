@@ -66,6 +66,11 @@ class SavedActivationMeter:
         self._name_stack: list[str] = []
         self._running: list[set] = []  # per running module: its parameters' storages
         self._floating: list[list] = []  # per running module: its floating-point parameters
+        self._by_shape: dict = {}  # the model's floating-point parameters by shape
+        if model is not None:
+            for p in model.parameters():
+                if p.is_floating_point():
+                    self._by_shape.setdefault(tuple(p.shape), []).append(p)
         self._active: dict = defaultdict(int)
         self._handles = []
         self._hooks = None
@@ -103,13 +108,17 @@ class SavedActivationMeter:
         of one (a linear saves the cast weight transposed). A cast without an autograd node (a
         frozen parameter's, LoRA's base weights; one made inside a custom Function's forward, a
         Mesa Linear's, which keeps it for its backward as autocast does) is the cast of a
-        parameter of a running module: same shape, same values."""
+        parameter of a running module: same shape, same values (in the parameter's dtype too: a
+        compiled graph may save a weight copied into another layout, e.g. inductor's conv weight)."""
         base = t if t._base is None else t._base
         fn = base.grad_fn
         if fn is None:
-            return any(base.shape == p.shape and base.dtype != p.dtype and not isinstance(p, DTensor)
+            # (the running modules' parameters -- an FSDP2 unit's unsharded ones -- and the model's
+            # of that shape: a compiled graph runs its modules' hooks only at its top)
+            params = self._floating + [self._by_shape.get(tuple(base.shape), ())]
+            return any(base.shape == p.shape and not isinstance(p, DTensor)
                        and base.device == p.device and torch.equal(base, p.detach().to(base.dtype))
-                       for ps in self._floating for p in ps)
+                       for ps in params for p in ps)
         if type(fn).__name__ != "ToCopyBackward0":
             return False
         for nxt, _ in fn.next_functions:

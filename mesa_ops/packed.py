@@ -136,8 +136,10 @@ def restore(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tensor, head:
     else:
         flat, buf = _workspace().acquire(numel, dtype, packed.device)
     be.dequantize_out(packed, step, shift, bits, groups, inner, flat, kh)
-    if transposed:
-        out = with_head(_shaped(flat, shape, transposed), head)
+    if transposed:  # (a view of the buffer, which it carries: the consumer's release hands it back)
+        out = _shaped(flat, shape, transposed)
+        out._mesa_ws = buf
+        out = with_head(out, head)
     else:
         out = flat.view(shape)
         out._mesa_ws = buf

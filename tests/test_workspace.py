@@ -115,3 +115,27 @@ def test_small_restores_take_no_workspace_buffer(monkeypatch):
     assert taken
     for a, b in zip(small, every):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_a_transposed_copy_hands_its_workspace_buffer_back(monkeypatch):
+    """A copy stored in transposed order (k^T of an explicit attention's q @ k^T, a transposed view
+    of k) is restored into a workspace buffer as a view of it, which carries the buffer, so that
+    the consumer's release hands it back (the same for a conv's channels-last input)."""
+    from mesa_ops import packed
+
+    monkeypatch.delenv("MESA_BACKEND", raising=False)
+    monkeypatch.setattr(packed, "WORKSPACE_MIN_BYTES", 0)
+    taken, given = [], []
+    acquire, release = packed._Workspace.acquire, packed._Workspace.release
+    monkeypatch.setattr(packed._Workspace, "acquire",
+                        lambda self, *a: (lambda out: taken.append(out[1]) or out)(acquire(self, *a)))
+    monkeypatch.setattr(packed._Workspace, "release", lambda self, buf: given.append(buf) or release(self, buf))
+    mm = ms.MatMul(quant_groups=3, enable=True)
+    q = torch.randn(2, 3, 4, 5, requires_grad=True)
+    k = torch.randn(2, 3, 4, 5, requires_grad=True)
+    mm(q, k.transpose(-2, -1)).square().sum().backward()
+    conv = ms.Conv2d(3, 6, 3, padding=1, quant_groups=3, enable=True).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    conv(x).square().sum().backward()
+    assert len(taken) >= 2
+    assert sorted(map(id, given)) == sorted(map(id, taken))
