@@ -1,5 +1,5 @@
 // Mesa's kernels as native torch ops (issue 48, item 2): the C++ kernels of the ops
-// mesa::quantize_step, mesa::unpack and mesa::pack, whose schemas, fake implementations and Python fallback
+// mesa::quantize_step, mesa::unpack, mesa::pack and mesa::lut_apply, whose schemas, fake implementations and Python fallback
 // mesa_ops/ops.py defines. torch.compile's graphs call them through the dispatcher, without a
 // Python frame. They are registered for one dispatch key on request (register_ops, called by
 // mesa_ops.ops once this build's kernels are the ones a tensor of that device uses: on CUDA after
@@ -95,6 +95,21 @@ at::Tensor pack(const at::Tensor& x, const at::Tensor& inv, const at::Tensor& sh
   return mesa::quantize_cpu(x, inv, shift, bits, groups, inner, 0, false);
 }
 
+// mesa::lut_apply(packed, table, bits, groups, inner, numel, mul?) -> (numel,) of table's dtype:
+// table[group][code] (* mul): a function of a stored tensor through a per-group table (GELU).
+template <bool kCuda>
+at::Tensor lut_apply(const at::Tensor& packed, const at::Tensor& table, int64_t bits, int64_t groups,
+                     int64_t inner, int64_t numel, const std::optional<at::Tensor>& mul) {
+  at::Tensor out = at::empty({numel}, packed.options().dtype(table.scalar_type()));
+  std::optional<at::Tensor> m;
+  if (mul.has_value()) m = mul->contiguous();
+#ifdef MESA_WITH_CUDA
+  if constexpr (kCuda) return mesa::lut_apply_out_cuda(packed, table.contiguous(), bits, groups, inner, out, m,
+                                                       std::nullopt);
+#endif
+  return mesa::lut_apply_out_cpu(packed, table.contiguous(), bits, groups, inner, out, m, std::nullopt);
+}
+
 // Register this build's kernels of the ops for `key` ("cpu" or "cuda", the latter only in a
 // CUDA build); returns false where this build has none for it. Once per key and process.
 inline bool register_ops(const std::string& key) {
@@ -106,6 +121,7 @@ inline bool register_ops(const std::string& key) {
       cpu_lib->impl("quantize_step", TORCH_FN(quantize_step<false>));
       cpu_lib->impl("unpack", TORCH_FN(unpack<false>));
       cpu_lib->impl("pack", TORCH_FN(pack<false>));
+      cpu_lib->impl("lut_apply", TORCH_FN(lut_apply<false>));
     }
     return true;
   }
@@ -117,6 +133,7 @@ inline bool register_ops(const std::string& key) {
       cuda_lib->impl("quantize_step", TORCH_FN(quantize_step<true>));
       cuda_lib->impl("unpack", TORCH_FN(unpack<true>));
       cuda_lib->impl("pack", TORCH_FN(pack<true>));
+      cuda_lib->impl("lut_apply", TORCH_FN(lut_apply<true>));
     }
     return true;
   }

@@ -15,7 +15,9 @@ Eager mode calls the kernels directly (:meth:`mesa_ops.quant.QuantMixin.quantize
     Mesa's ``base``; the draw counter, advanced when ``update``). A non-finite activation is
     reported by :func:`native_nonfinite` (raise or warn once on the CPU, deferred on CUDA).
   * ``mesa::unpack(packed, step, shift, bits, groups, inner, numel, dtype) -> (numel,)``;
-    ``mesa::pack(x, inv, shift, bits, groups, inner)``: codes rounded to nearest (the ReLU's mask).
+    ``mesa::pack(x, inv, shift, bits, groups, inner)``: codes rounded to nearest (the ReLU's mask);
+    ``mesa::lut_apply(packed, table, bits, groups, inner, numel, mul?)``: table[group][code] (* mul),
+    a function of a stored tensor through a per-group table (GELU's output and derivative).
   * ``mesa::range_update`` and ``mesa::quantize``: the same two steps as Python custom ops, for a
     range all-reduced across ranks (``dist_sync`` under torch.distributed: the all-reduce runs in
     Python), and :func:`_range_update_impl` / :func:`_quantize_impl` the general eager path.
@@ -233,7 +235,7 @@ def _dequantize_impl(packed: torch.Tensor, step: torch.Tensor, shift: torch.Tens
 
 
 # ---- the native ops (issue 48, item 2): C++ kernels the compiled graphs call without Python ----
-# mesa::quantize_step, mesa::unpack and mesa::pack: schemas and fake implementations here; the kernels of
+# mesa::quantize_step, mesa::unpack, mesa::pack and mesa::lut_apply: schemas and fake implementations here; the kernels of
 # cuda/torch_ops.h registered for the CPU / CUDA key by the first call on such a tensor (the
 # Python fallback below: it loads the extension, registers its kernels where they are the ones
 # this tensor's device uses and calls the op again; where they are not -- MESA_BACKEND=torch,
@@ -246,6 +248,8 @@ _LIB.define("quantize_step(Tensor x, int groups, int inner, Tensor(a!) clip_val,
 _LIB.define("unpack(Tensor packed, Tensor step, Tensor shift, int bits, int groups, int inner, "
             "SymInt numel, ScalarType dtype) -> Tensor")
 _LIB.define("pack(Tensor x, Tensor inv, Tensor shift, int bits, int groups, int inner) -> Tensor")
+_LIB.define("lut_apply(Tensor packed, Tensor table, int bits, int groups, int inner, SymInt numel, "
+            "Tensor? mul) -> Tensor")
 _NATIVE_KEYS: dict = {}  # "cpu" / "cuda" -> whether the extension's kernels are registered for it
 _CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -299,6 +303,19 @@ def _pack_fallback(x, inv, shift, bits, groups, inner):
     return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
 
 
+def _lut_apply_fallback(packed, table, bits, groups, inner, numel, mul):
+    if _native_registered(packed, table.dtype, bits):
+        return torch.ops.mesa.lut_apply.default(packed, table, bits, groups, inner, numel, mul)
+    be = kernel_for(get_backend(packed), packed, table.dtype, bits)
+    kernel = getattr(be, "lut_apply_out", None)
+    if kernel is None:
+        return reference.lut_apply(packed, table, bits, groups, inner, numel, mul)
+    out = torch.empty(numel, dtype=table.dtype, device=packed.device)
+    return kernel(packed, table.contiguous(), bits, groups, inner, out, None if mul is None else mul.contiguous(),
+                  None)
+
+
+_LIB.impl("lut_apply", _lut_apply_fallback, "CompositeExplicitAutograd")
 _LIB.impl("quantize_step", _quantize_step_fallback, "CompositeExplicitAutograd")
 _LIB.impl("pack", _pack_fallback, "CompositeExplicitAutograd")
 _LIB.impl("unpack", _unpack_fallback, "CompositeExplicitAutograd")
@@ -316,6 +333,11 @@ def _(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, rang
 def _(x, inv, shift, bits, groups, inner):
     per = 8 // bits
     return x.new_empty(((x.numel() + per - 1) // per,), dtype=torch.uint8)
+
+
+@torch.library.register_fake("mesa::lut_apply", lib=_LIB)
+def _(packed, table, bits, groups, inner, numel, mul):
+    return packed.new_empty((numel,), dtype=table.dtype)
 
 
 @torch.library.register_fake("mesa::unpack", lib=_LIB)
@@ -353,6 +375,12 @@ def range_update(*args) -> torch.Tensor:
 def quantize(*args) -> torch.Tensor:
     """``mesa::quantize`` (see :func:`_quantize_impl`)."""
     return (_quantize_op if torch.compiler.is_compiling() else _quantize_impl)(*args)
+
+
+def lut_apply(packed, table, bits, groups, inner, numel, mul=None) -> torch.Tensor:
+    """``mesa::lut_apply`` (while torch.compile traces; eager mode calls the backend's
+    ``lut_apply_out``): flat (numel,) table[group][code] (* mul)."""
+    return torch.ops.mesa.lut_apply.default(packed, table, bits, groups, inner, numel, mul)
 
 
 def pack(x, inv, shift, bits, groups, inner) -> torch.Tensor:

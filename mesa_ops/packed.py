@@ -312,7 +312,7 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
     it). ``head``: the result's first rows along dim -2 (the exact prefix rows, shaped
     ``result.narrow(-2, 0, P)``), written over them as they are (by the kernel where it can);
     a QTensor's own ``head`` (a 4th tensor) is ignored: only the caller knows f of it.
-    ``traced``: torch.compile traces (the reference's ops then; None to ask)."""
+    ``traced``: torch.compile traces (the native op ``mesa::lut_apply`` then; None to ask)."""
     packed = tensors[0]
     shape, dtype, bits, groups, inner, transposed = meta
     if transposed:
@@ -325,9 +325,10 @@ def apply_table(tensors, meta, table: torch.Tensor, mul: torch.Tensor | None = N
         if be is None:
             be = restorer(packed, dtype, bits)
     kernel = getattr(be, "lut_apply_out", None)
-    if kernel is None:
-        return with_head(reference.lut_apply(packed, table, bits, groups, inner, numel, mul).view(shape),
-                         head)
+    if kernel is None:  # (traced: the native op mesa::lut_apply; else the reference)
+        flat = (ops.lut_apply(packed, table, bits, groups, inner, numel, mul) if be is None
+                else reference.lut_apply(packed, table, bits, groups, inner, numel, mul))
+        return with_head(flat.view(shape), head)
     buf = None
     if (mul is None and packed.is_cpu and numel * table.dtype.itemsize >= WORKSPACE_MIN_BYTES
             and not torch.is_grad_enabled() and _graph_task_id() != -1):

@@ -80,8 +80,8 @@ def test_compiles_in_one_graph_with_eager_bytes_gradients_and_state():
     fn = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
     compiled = _steps(compiled_model, fn, x)
     # the compiled steps run Mesa's kernels as C++ kernels of native ops: no Python frame of theirs
-    python_kernels = {"_quantize_step_fallback", "_unpack_fallback", "_range_update_impl", "_quantize_impl",
-                      "_dequantize_impl"}
+    python_kernels = {"_quantize_step_fallback", "_unpack_fallback", "_pack_fallback", "_lut_apply_fallback",
+                      "_range_update_impl", "_quantize_impl", "_dequantize_impl", "lut_apply", "unpack_codes"}
     seen = []
 
     def prof(frame, event, arg):
@@ -153,6 +153,13 @@ def test_native_ops_are_cpp_kernels_equal_to_their_python_fallback(monkeypatch):
     assert int(native[12]) == 1  # (advanced: update)
     back = torch.ops.mesa.unpack(packed, rows[1], rows[2], 4, 3, 2, 24, torch.float32)
     assert torch.equal(back, ops._unpack_fallback(packed, rows[1], rows[2], 4, 3, 2, 24, torch.float32))
+    table, mul = torch.randn(3, 16), torch.randn(24)
+    from mesa_ops import reference
+
+    for m in (None, mul):
+        got = torch.ops.mesa.lut_apply(packed, table, 4, 3, 2, 24, m)
+        assert torch.equal(got, ops._lut_apply_fallback(packed, table, 4, 3, 2, 24, m))
+        assert torch.equal(got, reference.lut_apply(packed, table, 4, 3, 2, 24, m))
     assert (back.view(4, 6) - x).abs().max() <= float(rows[1].max())
     # another base or salt: other codes (stochastic rounding)
     other = list(_step_args(x))
@@ -168,7 +175,9 @@ def test_native_ops_pass_torch_library_opcheck():
     assert packed.untyped_storage().data_ptr() != rows.untyped_storage().data_ptr()
     calls = [(torch.ops.mesa.quantize_step.default, _step_args(x)),
              (torch.ops.mesa.unpack.default, (packed, rows[1], rows[2], 4, 3, 2, 24, torch.float32)),
-             (torch.ops.mesa.pack.default, ((x > 0).float().reshape(-1), torch.ones(1), torch.zeros(1), 1, 1, 24))]
+             (torch.ops.mesa.pack.default, ((x > 0).float().reshape(-1), torch.ones(1), torch.zeros(1), 1, 1, 24)),
+             (torch.ops.mesa.lut_apply.default, (packed, torch.randn(3, 16), 4, 3, 2, 24, None)),
+             (torch.ops.mesa.lut_apply.default, (packed, torch.randn(3, 16), 4, 3, 2, 24, torch.randn(24)))]
     for op, args in calls:
         got = torch.library.opcheck(op, args)
         assert set(got.values()) == {"SUCCESS"}, (op, got)

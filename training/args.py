@@ -63,6 +63,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
           help="extra model constructor arguments, e.g. depth=4 embed_dim=96 patch_size=4")
     g.add("--drop", type=float, default=0.0, metavar="PCT", help="dropout rate")
     g.add("--drop-path", type=float, default=0.1, metavar="PCT", help="stochastic depth rate")
+    g.add("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+          help="torch.compile the training step's model (backend: inductor when none is named; e.g. aot_eager). "
+               "Mesa's kernels are native torch ops that the compiled graphs call without Python; evaluation "
+               "and the EMA use the model as it is. The first step compiles (its time is logged, not averaged)")
     g.add("--model-ema", action="store_true", default=True, help="EMA of the weights (DeiT: on)")
     g.add("--no-model-ema", action="store_false", dest="model_ema")
     g.add("--model-ema-decay", type=float, default=0.99996)

@@ -74,21 +74,27 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
                     amp: str = "none", max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10,
                     use_tqdm: bool = False,
                     tb=None, global_step: int = 0, meter_model=None, lr_scheduler=None,
-                    on_first_step=None, quiet: bool = False) -> dict:
+                    on_first_step=None, quiet: bool = False, compiled: bool = False,
+                    compile_step: bool = False) -> dict:
     """One pass over ``data_loader``. Returns the epoch's averages: ``loss, lr, img/s,
     step_ms`` (forward + backward + update, data loading excluded), ``max_mem_mb`` and
     ``saved_act_mib`` (bytes autograd held for backward in the epoch's first step, measured with
     :class:`mesa_ops.SavedActivationMeter` on ``meter_model``, the model without DDP).
     ``lr_scheduler``: given, it is stepped after every update (``step_update``). ``on_first_step``:
     given, called with the first step's saved bytes (e.g. to compare them with a memory plan).
-    ``quiet``: no progress lines and no averages line (the caller prints one line per epoch)."""
+    ``quiet``: no progress lines and no averages line (the caller prints one line per epoch).
+    ``compiled``: ``model`` is torch.compile's (the meter measures the second step: its hooks must
+    not be active while dynamo traces; one step alone: not measured, NaN); ``compile_step``: the
+    first step compiles (its time is returned as ``compile_s``, not in ``step_ms``)."""
     model.train()
     ml = MetricLogger(device=device)
     ml.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.6f}"))
     header = f"Epoch: [{epoch}]"
     step_ms = SmoothedValue(fmt="{avg:.1f}")
-    saved = None
     n_steps = len(data_loader)
+    measure_at = (1 if n_steps > 1 else -1) if compiled else 0
+    saved = float("nan")
+    compile_s = None
     for i, (samples, targets) in enumerate(ml.log_every(data_loader, print_freq, header,
                                                         batch_size_of=lambda b: b[0].shape[0],
                                                         use_tqdm=use_tqdm, quiet=quiet)):
@@ -97,11 +103,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
         if mixup_fn is not None:
             samples, targets = mixup_fn(samples, targets)
         t0 = time.perf_counter()
-        meter = ms.SavedActivationMeter(meter_model or model) if i == 0 else contextlib.nullcontext()
+        meter = ms.SavedActivationMeter(meter_model or model) if i == measure_at else contextlib.nullcontext()
         with meter, autocast(amp, device):
             outputs = model(samples)
             loss = _loss(criterion, outputs, targets)
-        if i == 0:
+        if i == measure_at:
             saved = meter.total_bytes / MiB
             if on_first_step is not None:
                 on_first_step(meter.total_bytes)
@@ -114,7 +120,10 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
                     create_graph=second_order)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        step_ms.update((time.perf_counter() - t0) * 1000.0)
+        if compile_step and i == 0:
+            compile_s = time.perf_counter() - t0
+        else:
+            step_ms.update((time.perf_counter() - t0) * 1000.0)
         if model_ema is not None:
             model_ema.update(meter_model or model)
         if lr_scheduler is not None:
@@ -127,9 +136,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
     ml.synchronize_between_processes()
     stats = {k: m.global_avg for k, m in ml.meters.items() if k != "img/s"}
     stats["img/s"] = ml.meters["img/s"].global_avg
-    stats["step_ms"] = step_ms.global_avg
+    stats["step_ms"] = step_ms.global_avg if step_ms.count else float("nan")
     stats["max_mem_mb"] = max_memory_mb(device)
     stats["saved_act_mib"] = saved
+    if compile_s is not None:
+        stats["compile_s"] = compile_s
     if not quiet:
         log(f"Averaged stats: loss {stats['loss']:.4f}  lr {stats['lr']:.6f}  step {stats['step_ms']:.1f} ms  "
             f"saved activations {saved:.2f} MiB  max mem {stats['max_mem_mb']:.0f} MiB")

@@ -63,6 +63,8 @@ def resolve_args(args):
             raise UsageError(f"{flag} {path}: no such file (or checkpoint folder)")
     if args.model_ema_eval and not args.model_ema and not args.eval:
         raise UsageError("--model-ema-eval with --no-model-ema: there is no EMA to evaluate")
+    if args.fsdp and args.compile:
+        raise UsageError("--compile with --fsdp: not supported yet (compile a model without --fsdp)")
     if args.fsdp and args.model_ema and args.model_ema_force_cpu and not args.eval:
         raise UsageError("--fsdp: --model-ema-force-cpu does not apply: the model EMA is sharded as the weights "
                          "are (each rank keeps the EMA of its own shards)")
@@ -429,6 +431,11 @@ def _run(args, dist_info) -> dict:
             broadcast_buffers=bn)
         model_without_ddp = model.module
 
+    train_model = model
+    if args.compile:
+        train_model = torch.compile(model, backend=args.compile)
+        log(f"torch.compile (backend {args.compile}): the training step's model; the first step compiles")
+
     global_batch = args.batch_size * dist_info.world_size
     base_lr = args.lr
     if not args.unscale_lr:
@@ -501,12 +508,16 @@ def _run(args, dist_info) -> dict:
     for epoch in range(args.start_epoch, last):
         sampler_train.set_epoch(epoch)
         train_stats = train_one_epoch(
-            model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
+            train_model, criterion, loader_train, optimizer, device, epoch, loss_scaler, args.amp,
             max_norm=args.clip_grad, model_ema=model_ema, mixup_fn=mixup_fn, print_freq=args.print_freq,
             use_tqdm=args.tqdm, tb=tb, global_step=epoch * len(loader_train), meter_model=model_without_ddp,
             lr_scheduler=lr_scheduler if args.sched_on_updates else None,
             on_first_step=memory.first_step_report(plan_info, args.batch_size, plan_path)
-            if plan_info and epoch == args.start_epoch else None, quiet=args.epoch_lines)
+            if plan_info and epoch == args.start_epoch else None, quiet=args.epoch_lines,
+            compiled=bool(args.compile), compile_step=bool(args.compile) and epoch == args.start_epoch)
+        if "compile_s" in train_stats:
+            log(f"torch.compile: the first step took {train_stats['compile_s']:.1f} s (compiling; not in the "
+                "step time)")
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
                               print_freq=args.print_freq * 10, quiet=args.tqdm or args.epoch_lines,
