@@ -5,8 +5,9 @@
 
 On ``batch`` (a tensor or a tuple of positional inputs) the exact gradient (every Mesa layer
 off) and ``draws`` Mesa gradients (stochastic rounding draws differ) are computed for a fixed
-random projection of the output (``loss_fn`` overrides it: ``loss_fn(output) -> scalar``), the
-same dropout masks in every pass. Per parameter: the relative error ``||g - g_exact|| /
+random projection of the output (of a tuple, dict or Hugging Face ``ModelOutput``: its first
+floating-point tensor with a gradient, e.g. ``loss`` or ``logits``; ``loss_fn`` overrides it:
+``loss_fn(output) -> scalar``), the same dropout masks in every pass. Per parameter: the relative error ``||g - g_exact|| /
 ||g_exact||``, root mean square over the draws. Every parameter above ``threshold`` (default 5%)
 is flagged with the stored copy that causes it: the Mesa layer whose switching back to exact
 lowers that parameter's error the most. With ``leave_exact=True`` those layers are switched off
@@ -22,6 +23,7 @@ switched to exact with ``leave_exact`` stay so.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -98,12 +100,37 @@ def _grads(model, inputs, loss_fn, seed: int) -> dict:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _output_tensor(out):
+    """The tensor of a model's output the check projects: the output itself, or the first
+    floating-point tensor with a gradient in a tuple, list, dict or Hugging Face ``ModelOutput``
+    (its ``loss`` when it has one, else e.g. its ``logits``), or None."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    if isinstance(out, Mapping):  # (a ModelOutput is an OrderedDict of the fields that are set)
+        items = out.values()
+    elif isinstance(out, (tuple, list)):
+        items = out
+    elif callable(getattr(out, "to_tuple", None)):
+        items = out.to_tuple()
+    else:
+        return None
+    for it in items:
+        t = _output_tensor(it)
+        if t is not None and t.requires_grad:
+            return t
+    return None
+
+
 def _projection(seed: int):
-    """A fixed random projection of the output (of any tensor shape): the loss of the check."""
+    """A fixed random projection of the output (of any tensor shape; of a structured output its
+    tensor :func:`_output_tensor` picks): the loss of the check."""
     cache = {}
 
-    def loss(out):
-        out = out[0] if isinstance(out, (tuple, list)) else out
+    def loss(output):
+        out = _output_tensor(output)
+        if out is None:
+            raise TypeError(f"ms.verify: the model's output ({type(output).__name__}) holds no floating-point "
+                            "tensor with a gradient to check; pass loss_fn=lambda output: <a scalar>")
         key = (tuple(out.shape), out.device)
         if key not in cache:
             gen = torch.Generator().manual_seed(seed)

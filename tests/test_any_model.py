@@ -131,6 +131,38 @@ def test_verify_passes_a_mesa8_vit():
     assert "0 above 5%" in report.summary()
 
 
+def test_verify_reads_dict_and_hugging_face_outputs():
+    """A model returning a dict or a Hugging Face ModelOutput: verify projects its first
+    floating-point tensor with a gradient (the logits; the loss where one is returned), as the
+    same model returning the tensor; an output without one is a TypeError naming it."""
+    from transformers.modeling_outputs import SemanticSegmenterOutput
+
+    class Net(torch.nn.Module):
+        def __init__(self, wrap):
+            super().__init__()
+            self.body = torch.nn.Sequential(ms.Linear(16, 32), ms.GELU(), ms.Linear(32, 8))
+            self.wrap = wrap
+
+        def forward(self, x):
+            return self.wrap(self.body(x))
+
+    x = torch.randn(6, 16)
+    wraps = {"tensor": lambda y: y, "dict": lambda y: {"mask": y > 0, "logits": y},
+             "ModelOutput": lambda y: SemanticSegmenterOutput(logits=y)}
+    reports = {}
+    for name, wrap in wraps.items():
+        torch.manual_seed(0)
+        net = Net(wrap)
+        ms.policy.set_mesa(net, True, 8)
+        reports[name] = ms.verify(net, x, draws=2)
+    assert reports["tensor"].errors == reports["dict"].errors == reports["ModelOutput"].errors
+    assert 0 < reports["tensor"].worst[1] < 0.05
+    net = Net(lambda y: {"mask": y > 0})
+    ms.policy.set_mesa(net, True, 8)
+    with pytest.raises(TypeError, match=r"output \(dict\) holds no floating-point tensor with a gradient"):
+        ms.verify(net, x, draws=1)
+
+
 # Item 2: attention forms spelled out in timm's own forward, routed to Mesa ops (64 px, batch 2,
 # random init; Swin-V2's zero-init post-norm weights set to 1, else its attention gets no
 # gradient). Measured: saved bytes 0.294x / 0.283x / 0.296x / 0.211x of exact, global gradient
