@@ -204,7 +204,8 @@ def measure_compiled(model: str = "deit_tiny_patch16_224", precision: str = "fp3
     """Median step seconds (per-thread CPU time) of ``model`` compiled by ``torch.compile``
     (inductor; batch 1, 32 x 32 image, SGD outside the compiled model), exact and Mesa 8-bit
     stepped in turn after two compiling steps each. Mesa's kernels run as native torch ops
-    (``mesa::quantize_step``, ``mesa::unpack``: C++ kernels the graphs call without Python)."""
+    (``mesa::quantize_step``, ``mesa::unpack``, ``mesa::pack``, ``mesa::lut_apply``: C++ kernels the
+    graphs call without Python)."""
     setups = _steppers(model, precision)
     amp = PRECISIONS[precision]
     steppers = {}

@@ -123,8 +123,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          py::object dtype) { return mesa::gelu_table(x, grad, approximate, dtype_of(dtype)); },
         "GELU of x (with grad: grad * GELU'(x)) in dtype (on the CPU computed in float64)");
   m.def("register_ops", &mesa_torch_ops::register_ops,
-        "register this build's kernels of the torch ops mesa::quantize_step / mesa::unpack for 'cpu' or "
-        "'cuda' (cuda/torch_ops.h): false where it has none for that key");
+        "register this build's kernels of the torch ops mesa::quantize_step / unpack / pack / lut_apply for "
+        "'cpu' or 'cuda' with the non-finite report (cuda/torch_ops.h): false where it has none for that key");
+  m.def("unregister_ops", &mesa_torch_ops::unregister_ops, "withdraw this build's kernels of those ops for a key");
   m.def("generator_fingerprint_cpu", &mesa::generator_fingerprint_cpu,
         "CRC-32 of the first 64 bytes of torch's default CPU generator state (= mesa_ops.ops.torch_fingerprint)");
 #ifdef MESA_WITH_CUDA

@@ -24,14 +24,21 @@ inline int64_t salt_mix(int64_t base, const std::string& salt_name) {
   return static_cast<int64_t>(mesa::splitmix64(static_cast<uint64_t>(base) ^ mesa::splitmix64(salt)));
 }
 
-// A non-finite activation's report by mesa_ops.ops.native_nonfinite(flags, mode, name, shape):
-// at once on the CPU (a FloatingPointError or one warning, as the eager path), deferred on CUDA
-// (the flags stay on the device). A Python exception it raises propagates to the caller.
+// A non-finite activation's report by mesa_ops.ops.native_nonfinite(flags, mode, name, shape),
+// handed over by register_ops (under the GIL): at once on the CPU (a FloatingPointError or one
+// warning, as the eager path), deferred on CUDA (the flags stay on the device). A Python
+// exception it raises propagates to the caller.
+inline py::object*& nonfinite_callback() {
+  static py::object* fn = nullptr;  // (never destroyed: the interpreter may be gone when statics are)
+  return fn;
+}
+
 inline void report_nonfinite(const at::Tensor& flags, const std::string& mode, const std::string& name,
                              at::IntArrayRef shape) {
+  py::object* fn = nonfinite_callback();
+  TORCH_CHECK(fn != nullptr && Py_IsInitialized(), "mesa ", name, ": a non-finite activation and no Python to ",
+              "report it to (mesa_ops.ops registers the report with the kernels)");
   py::gil_scoped_acquire gil;
-  // (never destroyed: the interpreter may be gone when static objects are)
-  static py::object* fn = new py::object(py::module_::import("mesa_ops.ops").attr("native_nonfinite"));
   (*fn)(flags, mode, name, shape.vec());
 }
 
@@ -110,35 +117,45 @@ at::Tensor lut_apply(const at::Tensor& packed, const at::Tensor& table, int64_t 
   return mesa::lut_apply_out_cpu(packed, table.contiguous(), bits, groups, inner, out, m, std::nullopt);
 }
 
-// Register this build's kernels of the ops for `key` ("cpu" or "cuda", the latter only in a
-// CUDA build); returns false where this build has none for it. Once per key and process.
-inline bool register_ops(const std::string& key) {
+// The libraries holding this build's kernels of the ops, per key (none: not registered).
+inline std::unique_ptr<torch::Library>& library(bool cuda) {
   static std::unique_ptr<torch::Library> cpu_lib, cuda_lib;
+  return cuda ? cuda_lib : cpu_lib;
+}
+
+// Register this build's kernels of the ops for `key` ("cpu" or "cuda", the latter only in a CUDA
+// build), with `report` the non-finite report (mesa_ops.ops.native_nonfinite; called with the GIL
+// held, from Python); returns false where this build has none for that key.
+inline bool register_ops(const std::string& key, py::object report) {
+  if (nonfinite_callback() == nullptr) nonfinite_callback() = new py::object(std::move(report));
   if (key == "cpu") {
-    if (!cpu_lib) {
-      cpu_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CPU,
-                                                 __FILE__, __LINE__);
-      cpu_lib->impl("quantize_step", TORCH_FN(quantize_step<false>));
-      cpu_lib->impl("unpack", TORCH_FN(unpack<false>));
-      cpu_lib->impl("pack", TORCH_FN(pack<false>));
-      cpu_lib->impl("lut_apply", TORCH_FN(lut_apply<false>));
+    auto& lib = library(false);
+    if (!lib) {
+      lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CPU, __FILE__, __LINE__);
+      lib->impl("quantize_step", TORCH_FN(quantize_step<false>));
+      lib->impl("unpack", TORCH_FN(unpack<false>));
+      lib->impl("pack", TORCH_FN(pack<false>));
+      lib->impl("lut_apply", TORCH_FN(lut_apply<false>));
     }
     return true;
   }
 #if defined(MESA_WITH_CUDA) && !defined(MESA_CUDA_EMULATION)
   if (key == "cuda") {
-    if (!cuda_lib) {
-      cuda_lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CUDA,
-                                                  __FILE__, __LINE__);
-      cuda_lib->impl("quantize_step", TORCH_FN(quantize_step<true>));
-      cuda_lib->impl("unpack", TORCH_FN(unpack<true>));
-      cuda_lib->impl("pack", TORCH_FN(pack<true>));
-      cuda_lib->impl("lut_apply", TORCH_FN(lut_apply<true>));
+    auto& lib = library(true);
+    if (!lib) {
+      lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+      lib->impl("quantize_step", TORCH_FN(quantize_step<true>));
+      lib->impl("unpack", TORCH_FN(unpack<true>));
+      lib->impl("pack", TORCH_FN(pack<true>));
+      lib->impl("lut_apply", TORCH_FN(lut_apply<true>));
     }
     return true;
   }
 #endif
   return false;
 }
+
+// Withdraw this build's kernels for `key` (the ops' Python fallback runs again).
+inline void unregister_ops(const std::string& key) { library(key == "cuda").reset(); }
 
 }  // namespace mesa_torch_ops

@@ -287,8 +287,10 @@ def _extension(kind: str):
 
 
 # dicts of backends chosen from the cached ones above (mesa_ops.packed's backend of each kind of
-# restore), emptied with them by clear_caches
+# restore), emptied with them by clear_caches; and what else clear_caches calls (mesa_ops.ops:
+# withdraw the extension's kernels of the native torch ops)
 DEPENDENT_CACHES: list = []
+ON_CLEAR: list = []
 
 
 def clear_caches() -> None:
@@ -300,6 +302,8 @@ def clear_caches() -> None:
     _CHECKED.clear()
     for cache in DEPENDENT_CACHES:
         cache.clear()
+    for fn in ON_CLEAR:
+        fn()
 
 
 def _cpu_extension():

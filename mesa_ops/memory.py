@@ -69,7 +69,7 @@ class SavedActivationMeter:
         self._by_shape: dict = {}  # the model's floating-point parameters by shape
         if model is not None:
             for p in model.parameters():
-                if p.is_floating_point():
+                if p.is_floating_point() and not isinstance(p, DTensor):
                     self._by_shape.setdefault(tuple(p.shape), []).append(p)
         self._active: dict = defaultdict(int)
         self._handles = []
@@ -113,12 +113,16 @@ class SavedActivationMeter:
         base = t if t._base is None else t._base
         fn = base.grad_fn
         if fn is None:
-            # (the running modules' parameters -- an FSDP2 unit's unsharded ones -- and the model's
-            # of that shape: a compiled graph runs its modules' hooks only at its top)
-            params = self._floating + [self._by_shape.get(tuple(base.shape), ())]
-            return any(base.shape == p.shape and not isinstance(p, DTensor)
-                       and base.device == p.device and torch.equal(base, p.detach().to(base.dtype))
-                       for ps in params for p in ps)
+            if not base.is_floating_point():
+                return False
+            # a cast (another dtype) of a running module's parameter (an FSDP2 unit's unsharded
+            # ones), or a copy of one of the model's in another layout (a compiled graph runs its
+            # modules' hooks only at its top: inductor's conv weight)
+            return (any(base.shape == p.shape and base.dtype != p.dtype and not isinstance(p, DTensor)
+                        and base.device == p.device and torch.equal(base, p.detach().to(base.dtype))
+                        for ps in self._floating for p in ps)
+                    or any(base.dtype == p.dtype and base.stride() != p.stride() and base.device == p.device
+                           and torch.equal(base, p.detach()) for p in self._by_shape.get(tuple(base.shape), ())))
         if type(fn).__name__ != "ToCopyBackward0":
             return False
         for nxt, _ in fn.next_functions:

@@ -67,7 +67,8 @@ class _Log:
         if type(flags) is FakeTensor:
             return
         self.pending.append((flags, mode, layer, shape))
-        if len(self.pending) >= MAX_PENDING:
+        if len(self.pending) >= MAX_PENDING:  # (no backward drained it: e.g. a compiled one)
+            self.read(block=False)
             self.start()
 
     def start(self) -> None:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor
 
-from . import nonfinite, reference
-from .backend import get_backend, kernel_for
+from . import backend, nonfinite, reference
+from .backend import BackendUnavailable, forced_backend, get_backend, kernel_for
 
 _MASK64 = (1 << 64) - 1
 _SEED_MASK = (1 << 62) - 1
@@ -251,24 +251,59 @@ _LIB.define("pack(Tensor x, Tensor inv, Tensor shift, int bits, int groups, int 
 _LIB.define("lut_apply(Tensor packed, Tensor table, int bits, int groups, int inner, SymInt numel, "
             "Tensor? mul) -> Tensor")
 _NATIVE_KEYS: dict = {}  # "cpu" / "cuda" -> whether the extension's kernels are registered for it
+_NATIVE_EXT: dict = {}  # "cpu" / "cuda" -> the extension that registered them
 _CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _native_registered(t: torch.Tensor, dtype: torch.dtype, bits: int) -> bool:
-    """Register the extension's kernels of the native ops for ``t``'s device where they are the
-    ones it uses (the C++ build on the CPU; on CUDA the CUDA build once its self-check passed for
-    every dtype at ``bits``); whether they now are."""
+    """Register the extension's kernels of the native ops for ``t``'s device type where they are
+    the ones it uses (the C++ build on the CPU; on CUDA the CUDA build once its self-check passed
+    for every dtype and width on every device: the compiled graphs then call it for all of them);
+    whether they now are."""
     dev = t.device.type
-    if dev not in ("cpu", "cuda") or dev in _NATIVE_KEYS:
-        return False  # (registered before: the dispatcher would not have come here)
-    be = kernel_for(get_backend(t), t, dtype, bits)
-    ext = getattr(be, "ext", None)
-    if ext is None or be.name != ("cpu" if dev == "cpu" else "cuda") or not hasattr(ext, "register_ops"):
+    if dev not in ("cpu", "cuda") or _NATIVE_KEYS.get(dev) or forced_backend() == "torch":
+        return False  # (registered: the dispatcher would not have come here)
+    try:
+        be = kernel_for(get_backend(t), t, dtype, bits)
+        ext = getattr(be, "ext", None)
+        if ext is None or be.name != dev or not hasattr(ext, "register_ops"):
+            return False
+        if dev == "cuda":
+            for i in range(torch.cuda.device_count()):
+                probe = torch.empty(0, device=f"cuda:{i}")
+                if any(kernel_for(be, probe, d, b) is not be for d in _CHECKED_DTYPES for b in (8, 4, 2, 1)):
+                    return False
+    except BackendUnavailable:  # (MESA_BACKEND=cuda and a case that fails: that call raises itself)
         return False
-    if dev == "cuda" and any(kernel_for(be, t, d, bits) is not be for d in _CHECKED_DTYPES):
-        return False
-    _NATIVE_KEYS[dev] = ok = bool(ext.register_ops(dev))
+    _NATIVE_KEYS[dev] = ok = bool(ext.register_ops(dev, native_nonfinite))
+    if ok:
+        _NATIVE_EXT[dev] = ext
     return ok
+
+
+backend.ON_CLEAR.append(lambda: unregister_native())
+
+
+@torch.compiler.assume_constant_result
+def native_wanted() -> bool:
+    """Whether the traced graphs' native ops may run the extension's kernels: not under
+    MESA_BACKEND=torch, read while dynamo traces (run then, not traced: where the variable says
+    torch the kernels registered before are withdrawn, so that the ops' Python fallback computes
+    with the reference). Returns True otherwise."""
+    if forced_backend() == "torch":
+        unregister_native()
+        return False
+    return True
+
+
+def unregister_native() -> None:
+    """Withdraw the extension's kernels of the native ops (every key; backend.clear_caches too):
+    the ops' Python fallback runs again, and registers them anew where they apply."""
+    for dev in list(_NATIVE_KEYS):
+        ext = _NATIVE_EXT.get(dev)
+        if ext is not None:
+            ext.unregister_ops(dev)
+    _NATIVE_KEYS.clear()
 
 
 def _quantize_step_fallback(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, range_mode,
@@ -360,6 +395,7 @@ def quantize_step(x, groups, inner, clip_val, shift, iteration, decay, range_mod
     :meth:`~mesa_ops.quant.QuantMixin.quantize`'s native step): the range update and the codes
     of a contiguous ``x`` in one native call -> (packed codes, (4, G) rows inv / step / shift /
     finite); Mesa's generator base is read here (dynamo guards on it: a new base retraces)."""
+    native_wanted()
     return torch.ops.mesa.quantize_step.default(x, groups, inner, clip_val, shift, iteration, decay,
                                                 1.0 - decay, range_mode, bits, update, _BASE[0], draws,
                                                 stochastic, nonfinite_mode, name, salt_name)
@@ -380,6 +416,7 @@ def quantize(*args) -> torch.Tensor:
 def lut_apply(packed, table, bits, groups, inner, numel, mul=None) -> torch.Tensor:
     """``mesa::lut_apply`` (while torch.compile traces; eager mode calls the backend's
     ``lut_apply_out``): flat (numel,) table[group][code] (* mul)."""
+    native_wanted()
     return torch.ops.mesa.lut_apply.default(packed, table, bits, groups, inner, numel, mul)
 
 
@@ -387,10 +424,14 @@ def pack(x, inv, shift, bits, groups, inner) -> torch.Tensor:
     """Codes of a contiguous ``x`` rounded to nearest (no draw; the ReLU's mask): the backend's
     kernel, or while torch.compile traces the native op ``mesa::pack``."""
     if torch.compiler.is_compiling():
+        native_wanted()
         return torch.ops.mesa.pack.default(x, inv, shift, bits, groups, inner)
     return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
 
 
 def dequantize(*args) -> torch.Tensor:
     """``mesa::unpack`` (see :func:`_dequantize_impl`): while torch.compile traces the native op."""
-    return (torch.ops.mesa.unpack.default if torch.compiler.is_compiling() else _dequantize_impl)(*args)
+    if torch.compiler.is_compiling():
+        native_wanted()
+        return torch.ops.mesa.unpack.default(*args)
+    return _dequantize_impl(*args)

@@ -255,7 +255,8 @@ def saved_tensors(ctx, split_affine: bool = False, together: int = 0, traced: bo
     if traced is None:
         traced = compiling()
     flat = ctx.saved_tensors
-    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
+    # (not while torch.compile traces: the compiled backward runs no Python; the log drains itself)
+    if not traced and (nonfinite.LOG.pending or nonfinite.LOG.in_flight):
         nonfinite.on_backward()
     share = getattr(ctx, "mesa_share", None)
     # a backward that records no graph (create_graph=False): workspace buffers, shared copies
@@ -318,7 +319,7 @@ def saved_packed(ctx) -> list:
     """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
     backward that reads its stored tensor through a table, without dequantizing it)."""
     flat = ctx.saved_tensors
-    if nonfinite.LOG.pending or nonfinite.LOG.in_flight:
+    if not compiling() and (nonfinite.LOG.pending or nonfinite.LOG.in_flight):
         nonfinite.on_backward()
     out = []
     for kind, i, meta in ctx.mesa_layout:

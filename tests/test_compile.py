@@ -216,6 +216,47 @@ def test_compiled_steps_follow_a_new_mesa_generator_base():
         ms.set_rng_state(base)
 
 
+def test_deferred_nonfinite_flags_leave_the_compiled_graph_alone():
+    """Non-finite flags waiting to be read (a CUDA step defers one per stored activation) do not
+    change what dynamo traced: one graph, no graph break, over steps that each defer flags."""
+    from mesa_ops import nonfinite
+
+    x = torch.randn(2, 3, 8, 8)
+    model = _model()
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    fn = torch.compile(model, backend="aot_eager", fullgraph=True)
+    try:
+        for _ in range(3):
+            nonfinite.defer(torch.ones(3), "raise", "blk.fc1", (3,))
+            fn(x).square().sum().backward()
+        assert not dynamo.utils.counters["graph_break"]
+        assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    finally:
+        ms.check_nonfinite()
+    assert not nonfinite.LOG.pending and not nonfinite.LOG.in_flight
+
+
+def test_mesa_backend_torch_withdraws_the_native_kernels(monkeypatch):
+    """MESA_BACKEND=torch, read while dynamo traces: the extension's kernels of the native ops
+    are withdrawn and the compiled step runs the reference through the ops' Python fallback (the
+    same gradients as eager under the reference); without it they are registered again."""
+    x = torch.randn(2, 3, 8, 8)
+    torch.ops.mesa.quantize_step(*_step_args(torch.randn(4, 6)))
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("mesa::quantize_step", "CPU")
+    monkeypatch.setenv("MESA_BACKEND", "torch")
+    eager_model = _model()
+    compiled_model = copy.deepcopy(eager_model)
+    eager = _steps(eager_model, eager_model, x)
+    dynamo.reset()
+    compiled = _steps(compiled_model, torch.compile(compiled_model, backend="aot_eager", fullgraph=True), x)
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("mesa::quantize_step", "CPU")
+    _compare(eager, compiled, exact=True)
+    monkeypatch.delenv("MESA_BACKEND")
+    torch.ops.mesa.quantize_step(*_step_args(torch.randn(4, 6)))
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("mesa::quantize_step", "CPU")
+
+
 @pytest.mark.cuda
 def test_native_ops_run_their_cuda_kernels_in_a_compiled_step(cuda_backend):
     """On a GPU (scripts/cuda_check.sh's tests stage): the first compiled call registers the CUDA

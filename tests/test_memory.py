@@ -185,3 +185,28 @@ def test_meter_counts_autocast_weight_casts_apart():
     with ms.SavedActivationMeter(lin) as fp32:  # no autocast: no casts
         lin(x).sum()
     assert fp32.weight_cast_bytes == 0 and fp32.total_bytes == (4 * 64 + 4 * 256) * 4
+
+
+def test_small_saved_tensors_equal_to_a_parameter_stay_activations():
+    """A parameter's copy in another layout counts as a weight copy (inductor saves one), but a
+    saved tensor that merely equals a parameter (the ReLU mask's step and shift, (1,) ones and
+    zeros, beside (1,) parameters initialised to one and zero) is an activation."""
+    class Net(nn.Module):
+        def __init__(self, extra: bool):
+            super().__init__()
+            self.relu = ms.ReLU(mesa=True)
+            if extra:
+                self.zero = nn.Parameter(torch.zeros(1))
+                self.one = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.relu(x)
+
+    x = torch.randn(4, 32, requires_grad=True)
+    totals = []
+    for extra in (False, True):
+        net = Net(extra)
+        with ms.SavedActivationMeter(net) as meter:
+            net(x)
+        totals.append((meter.total_bytes, meter.weight_cast_bytes))
+    assert totals[0] == totals[1] and totals[0][1] == 0 and totals[0][0] >= 8

@@ -63,6 +63,8 @@ def resolve_args(args):
             raise UsageError(f"{flag} {path}: no such file (or checkpoint folder)")
     if args.model_ema_eval and not args.model_ema and not args.eval:
         raise UsageError("--model-ema-eval with --no-model-ema: there is no EMA to evaluate")
+    if args.eval and args.compile:
+        raise UsageError("--compile applies to training; --eval evaluates the model as it is (drop --compile)")
     if args.fsdp and args.compile:
         raise UsageError("--compile with --fsdp: not supported yet (compile a model without --fsdp)")
     if args.fsdp and args.model_ema and args.model_ema_force_cpu and not args.eval:
@@ -492,7 +494,7 @@ def _run(args, dist_info) -> dict:
                 "it starts from the loaded weights")
 
     if args.train_throughput:
-        return train_throughput(model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
+        return train_throughput(train_model, criterion, loader_train, optimizer, device, loss_scaler, args.amp,
                                 mixup_fn)
 
     args_dict = args_to_dict(args)
