@@ -319,7 +319,8 @@ def saved_packed(ctx) -> list:
     """The items given to :func:`save_for_backward` as they were: QTensors packed (for a
     backward that reads its stored tensor through a table, without dequantizing it)."""
     flat = ctx.saved_tensors
-    if not compiling() and (nonfinite.LOG.pending or nonfinite.LOG.in_flight):
+    traced = getattr(ctx, "traced", None)  # (as the forward knew it; the log is not read while tracing)
+    if not (compiling() if traced is None else traced) and (nonfinite.LOG.pending or nonfinite.LOG.in_flight):
         nonfinite.on_backward()
     out = []
     for kind, i, meta in ctx.mesa_layout:
