@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mesa_ops as ms
 from mesa_ops import backend
+from mesa_ops.bench import time_in_turn
 
 __all__ = ["measure", "measure_model", "count_step", "main"]
 
@@ -125,15 +126,13 @@ def measure_model(model: str = "deit_tiny_patch16_224", precision: str = "fp32",
     setups = _steppers(model, precision)
     steppers = {mode: s[3] for mode, s in setups.items()}
     stored = stored_activations(steppers["mesa8"])
-    times = {mode: [] for mode in steppers}
-    for i in range(warmup + steps):
-        for mode, step in steppers.items():
-            t = time.thread_time()
-            step()
-            if i >= warmup:
-                times[mode].append(time.thread_time() - t)
-    return {"model": model, "precision": precision, "exact": statistics.median(times["exact"]),
-            "mesa8": statistics.median(times["mesa8"]), "stored": stored}
+    return {"model": model, "precision": precision, **_medians(steppers, warmup, steps), "stored": stored}
+
+
+def _medians(steppers: dict, warmup: int, steps: int) -> dict:
+    """{mode: median seconds of this thread's CPU time} of ``steppers`` stepped in turn."""
+    times = time_in_turn(steppers, warmup, steps, clock=time.thread_time)
+    return {mode: statistics.median(t) for mode, t in times.items()}
 
 
 def model_line(r: dict) -> str:
@@ -227,15 +226,7 @@ def measure_compiled(model: str = "deit_tiny_patch16_224", precision: str = "fp3
         step()
         step()
         steppers[mode] = step
-    times = {mode: [] for mode in steppers}
-    for i in range(warmup + steps):
-        for mode, step in steppers.items():
-            t = time.thread_time()
-            step()
-            if i >= warmup:
-                times[mode].append(time.thread_time() - t)
-    return {"model": model, "precision": precision, "exact": statistics.median(times["exact"]),
-            "mesa8": statistics.median(times["mesa8"])}
+    return {"model": model, "precision": precision, **_medians(steppers, warmup, steps)}
 
 
 def compiled_line(r: dict) -> str:

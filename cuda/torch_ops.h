@@ -123,32 +123,31 @@ inline std::unique_ptr<torch::Library>& library(bool cuda) {
   return cuda ? cuda_lib : cpu_lib;
 }
 
+// A library holding this build's kernels of the four ops for one dispatch key.
+template <bool kCuda>
+std::unique_ptr<torch::Library> make_library() {
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa",
+                                              kCuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU, __FILE__,
+                                              __LINE__);
+  lib->impl("quantize_step", TORCH_FN(quantize_step<kCuda>));
+  lib->impl("unpack", TORCH_FN(unpack<kCuda>));
+  lib->impl("pack", TORCH_FN(pack<kCuda>));
+  lib->impl("lut_apply", TORCH_FN(lut_apply<kCuda>));
+  return lib;
+}
+
 // Register this build's kernels of the ops for `key` ("cpu" or "cuda", the latter only in a CUDA
 // build), with `report` the non-finite report (mesa_ops.ops.native_nonfinite; called with the GIL
 // held, from Python); returns false where this build has none for that key.
 inline bool register_ops(const std::string& key, py::object report) {
   if (nonfinite_callback() == nullptr) nonfinite_callback() = new py::object(std::move(report));
   if (key == "cpu") {
-    auto& lib = library(false);
-    if (!lib) {
-      lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CPU, __FILE__, __LINE__);
-      lib->impl("quantize_step", TORCH_FN(quantize_step<false>));
-      lib->impl("unpack", TORCH_FN(unpack<false>));
-      lib->impl("pack", TORCH_FN(pack<false>));
-      lib->impl("lut_apply", TORCH_FN(lut_apply<false>));
-    }
+    if (!library(false)) library(false) = make_library<false>();
     return true;
   }
 #if defined(MESA_WITH_CUDA) && !defined(MESA_CUDA_EMULATION)
   if (key == "cuda") {
-    auto& lib = library(true);
-    if (!lib) {
-      lib = std::make_unique<torch::Library>(torch::Library::IMPL, "mesa", c10::DispatchKey::CUDA, __FILE__, __LINE__);
-      lib->impl("quantize_step", TORCH_FN(quantize_step<true>));
-      lib->impl("unpack", TORCH_FN(unpack<true>));
-      lib->impl("pack", TORCH_FN(pack<true>));
-      lib->impl("lut_apply", TORCH_FN(lut_apply<true>));
-    }
+    if (!library(true)) library(true) = make_library<true>();
     return true;
   }
 #endif

@@ -24,11 +24,12 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_in_turn(steppers: dict, warmup, steps, device="cpu") -> dict:
+def time_in_turn(steppers: dict, warmup, steps, device="cpu", clock=time.perf_counter) -> dict:
     """{name: [seconds of each timed call]} of ``steppers`` {name: callable}, called in turn (one
     call of each per round, the device synchronized around each) so that load from other
     processes hits them alike. ``warmup`` / ``steps``: untimed then timed calls, an int or
-    {name: int}; ``device``: one for all, or {name: device}."""
+    {name: int}; ``device``: one for all, or {name: device}; ``clock``: wall time, or e.g.
+    ``time.thread_time`` (this thread's CPU time: host-time benchmarks)."""
     def of(v, n):
         return v[n] if isinstance(v, dict) else v
 
@@ -38,11 +39,11 @@ def time_in_turn(steppers: dict, warmup, steps, device="cpu") -> dict:
             if i >= of(warmup, n) + of(steps, n):
                 continue
             sync(of(device, n))
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
             sync(of(device, n))
             if i >= of(warmup, n):
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(clock() - t0)
     return times
 
 

@@ -47,10 +47,14 @@ class SavedActivationMeter:
         model: module(s) whose parameters and buffers are excluded and whose submodules are
             used to attribute bytes to layer types.
         exclude: extra tensors not to count (e.g. inputs you keep anyway).
+        module_hooks: attribute bytes to the running modules by forward hooks (False: the model
+            runs compiled -- its hooks would be traced or retrace it; all bytes then go to
+            ``by_name`` / ``by_type`` ``"(no module)"``).
     """
 
-    def __init__(self, model: nn.Module | None = None, exclude=()):
+    def __init__(self, model: nn.Module | None = None, exclude=(), module_hooks: bool = True):
         self.model = model
+        self.module_hooks = module_hooks
         self._exclude = set()
         if model is not None:
             for p in list(model.parameters()) + list(model.buffers()):
@@ -148,7 +152,7 @@ class SavedActivationMeter:
         return t
 
     def __enter__(self):
-        if self.model is not None:
+        if self.model is not None and self.module_hooks:
             self._names = {id(m): n for n, m in self.model.named_modules()}
             for m in self.model.modules():
                 self._handles.append(m.register_forward_pre_hook(self._pre))

@@ -135,7 +135,7 @@ def test_verify_reads_dict_and_hugging_face_outputs():
     """A model returning a dict or a Hugging Face ModelOutput: verify projects its first
     floating-point tensor with a gradient (the logits; the loss where one is returned), as the
     same model returning the tensor; an output without one is a TypeError naming it."""
-    from transformers.modeling_outputs import SemanticSegmenterOutput
+    SemanticSegmenterOutput = pytest.importorskip("transformers.modeling_outputs").SemanticSegmenterOutput
 
     class Net(torch.nn.Module):
         def __init__(self, wrap):

@@ -83,8 +83,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
     ``lr_scheduler``: given, it is stepped after every update (``step_update``). ``on_first_step``:
     given, called with the first step's saved bytes (e.g. to compare them with a memory plan).
     ``quiet``: no progress lines and no averages line (the caller prints one line per epoch).
-    ``compiled``: ``model`` is torch.compile's (the meter measures the second step: its hooks must
-    not be active while dynamo traces; one step alone: not measured, NaN); ``compile_step``: the
+    ``compiled``: ``model`` is torch.compile's (the meter measures the second step, without module
+    hooks: they must not be active while dynamo traces, nor retrace it; one step alone: NaN); ``compile_step``: the
     first step compiles (its time is returned as ``compile_s``, not in ``step_ms``)."""
     model.train()
     ml = MetricLogger(device=device)
@@ -103,7 +103,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
         if mixup_fn is not None:
             samples, targets = mixup_fn(samples, targets)
         t0 = time.perf_counter()
-        meter = ms.SavedActivationMeter(meter_model or model) if i == measure_at else contextlib.nullcontext()
+        meter = (ms.SavedActivationMeter(meter_model or model, module_hooks=not compiled) if i == measure_at
+                 else contextlib.nullcontext())
         with meter, autocast(amp, device):
             outputs = model(samples)
             loss = _loss(criterion, outputs, targets)
