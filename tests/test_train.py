@@ -510,6 +510,7 @@ def test_compiled_training_step_trains_as_the_eager_one(tmp_path, capsys):
     eager step's seeds: the same losses and weights as the eager run bit for bit, the saved
     activations measured on the second step (none while dynamo traces), the compiling step's time
     logged apart from the step time; a checkpoint of the uncompiled model's keys."""
+    torch._dynamo.reset()  # (what earlier tests compiled: sizes dynamo would make symbolic)
     mesa = ["--ms-policy", ROOT / "configs/mesa/mesa_8bit.txt", "--epochs", "1", "--no-model-ema"]
     eager = run(TINY + FAKE + mesa + ["--output-dir", tmp_path / "eager"])
     capsys.readouterr()

@@ -435,7 +435,9 @@ def _run(args, dist_info) -> dict:
 
     train_model = model
     if args.compile:
-        train_model = torch.compile(model, backend=args.compile)
+        # (static shapes: a last, smaller batch compiles once more rather than making the batch
+        # dim symbolic, which Mesa's SDPA backend choice cannot read at torch 2.8)
+        train_model = torch.compile(model, backend=args.compile, dynamic=False)
         log(f"torch.compile (backend {args.compile}): the training step's model; the first step compiles")
 
     global_batch = args.batch_size * dist_info.world_size
