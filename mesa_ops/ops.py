@@ -64,20 +64,24 @@ def torch_fingerprint(device: torch.device | None = None) -> int:
     return zlib.crc32(_HEAD.from_address(state.data_ptr()))
 
 
-def make_seed(salt: int, count: int, device: torch.device | None = None) -> int:
+def make_seed(salt: int, count: int, device: torch.device | None = None, base: int | None = None) -> int:
     """The seed of one stochastic rounding: a hash of torch's generator state (so
     ``torch.manual_seed`` fixes it; torch's generator is read, never drawn from, so its stream --
-    dropout, drop-path -- is the same with Mesa on or off), Mesa's base, the layer's ``salt``
-    and its draw ``count``: ``splitmix64(seed_prefix(salt) ^ count)``, 62 bits."""
-    return _splitmix64(seed_prefix(salt, device) ^ count) & _SEED_MASK
+    dropout, drop-path -- is the same with Mesa on or off), Mesa's base (``base``, else the
+    current one), the layer's ``salt`` and its draw ``count``:
+    ``splitmix64(seed_prefix(salt) ^ count)``, 62 bits."""
+    return _splitmix64(seed_prefix(salt, device, base) ^ count) & _SEED_MASK
 
 
 _SALT_MIX: dict = {}  # salt -> splitmix64(base ^ splitmix64(salt)) under the current base
 
 
-def salt_mix(salt: int) -> int:
-    """The part of :func:`seed_prefix` that depends on Mesa's base and the salt only (64 bits;
-    the CPU kernel hashes torch's generator state with it itself: ``prefix_of_mix``)."""
+def salt_mix(salt: int, base: int | None = None) -> int:
+    """The part of :func:`seed_prefix` that depends on Mesa's base (``base``, else the current
+    one, cached) and the salt only (64 bits; the CPU kernel hashes torch's generator state with it
+    itself: ``prefix_of_mix``)."""
+    if base is not None:
+        return _splitmix64(base ^ _splitmix64(salt))
     mix = _SALT_MIX.get(salt)
     if mix is None:
         mix = _SALT_MIX[salt] = _splitmix64(_BASE[0] ^ _splitmix64(salt))
@@ -94,10 +98,10 @@ def signed_salt_mix(salt: int) -> int:
     return mix
 
 
-def seed_prefix(salt: int, device: torch.device | None = None) -> int:
+def seed_prefix(salt: int, device: torch.device | None = None, base: int | None = None) -> int:
     """The part of :func:`make_seed` that does not depend on the draw count (64 bits):
-    ``splitmix64(torch_fingerprint(device) ^ salt_mix(salt))``."""
-    return _splitmix64(torch_fingerprint(device) ^ salt_mix(salt))
+    ``splitmix64(torch_fingerprint(device) ^ salt_mix(salt, base))``."""
+    return _splitmix64(torch_fingerprint(device) ^ salt_mix(salt, base))
 
 
 def signed64(v: int) -> int:
@@ -117,13 +121,14 @@ def salt_of(name: str) -> int:
 
 
 def draw_seed(draws: torch.Tensor, name: str, advance: bool,
-              device: torch.device | None = None) -> int:
+              device: torch.device | None = None, base: int | None = None) -> int:
     """The seed of the next stochastic rounding of the quantizer named ``name`` whose (1,) int64
-    CPU draw counter is ``draws`` (advanced by one when ``advance``), for a tensor on ``device``."""
+    CPU draw counter is ``draws`` (advanced by one when ``advance``), for a tensor on ``device``
+    (``base``: Mesa's base, else the current one)."""
     n = int(draws[0])
     if advance:
         draws[0] = n + 1
-    return make_seed(salt_of(name), n, device)
+    return make_seed(salt_of(name), n, device, base)
 
 
 def get_rng_state() -> torch.Tensor:
@@ -250,8 +255,7 @@ _LIB.define("unpack(Tensor packed, Tensor step, Tensor shift, int bits, int grou
 _LIB.define("pack(Tensor x, Tensor inv, Tensor shift, int bits, int groups, int inner) -> Tensor")
 _LIB.define("lut_apply(Tensor packed, Tensor table, int bits, int groups, int inner, SymInt numel, "
             "Tensor? mul) -> Tensor")
-_NATIVE_KEYS: dict = {}  # "cpu" / "cuda" -> whether the extension's kernels are registered for it
-_NATIVE_EXT: dict = {}  # "cpu" / "cuda" -> the extension that registered them
+_NATIVE: dict = {}  # "cpu" / "cuda" -> the extension whose kernels of the ops are registered for it
 _CHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -261,7 +265,7 @@ def _native_registered(t: torch.Tensor, dtype: torch.dtype, bits: int) -> bool:
     for every dtype and width on every device: the compiled graphs then call it for all of them);
     whether they now are."""
     dev = t.device.type
-    if dev not in ("cpu", "cuda") or _NATIVE_KEYS.get(dev) or forced_backend() == "torch":
+    if dev not in ("cpu", "cuda") or dev in _NATIVE or forced_backend() == "torch":
         return False  # (registered: the dispatcher would not have come here)
     try:
         be = kernel_for(get_backend(t), t, dtype, bits)
@@ -275,10 +279,10 @@ def _native_registered(t: torch.Tensor, dtype: torch.dtype, bits: int) -> bool:
                     return False
     except BackendUnavailable:  # (MESA_BACKEND=cuda and a case that fails: that call raises itself)
         return False
-    _NATIVE_KEYS[dev] = ok = bool(ext.register_ops(dev, native_nonfinite))
-    if ok:
-        _NATIVE_EXT[dev] = ext
-    return ok
+    if not ext.register_ops(dev, native_nonfinite):
+        return False
+    _NATIVE[dev] = ext
+    return True
 
 
 backend.ON_CLEAR.append(lambda: unregister_native())
@@ -299,11 +303,9 @@ def native_wanted() -> bool:
 def unregister_native() -> None:
     """Withdraw the extension's kernels of the native ops (every key; backend.clear_caches too):
     the ops' Python fallback runs again, and registers them anew where they apply."""
-    for dev in list(_NATIVE_KEYS):
-        ext = _NATIVE_EXT.get(dev)
-        if ext is not None:
-            ext.unregister_ops(dev)
-    _NATIVE_KEYS.clear()
+    for dev, ext in _NATIVE.items():
+        ext.unregister_ops(dev)
+    _NATIVE.clear()
 
 
 def _quantize_step_fallback(x, groups, inner, clip_val, shift, iteration, decay, one_minus_decay, range_mode,
@@ -314,13 +316,7 @@ def _quantize_step_fallback(x, groups, inner, clip_val, shift, iteration, decay,
             base, draws, stochastic, nonfinite_mode, name, salt_name)
     params = _range_update_impl(x, clip_val, shift, iteration, groups, inner, decay, range_mode, bits,
                                 update, nonfinite_mode, name, False)
-    seed = 0
-    if stochastic:  # make_seed's, with the salt mix under ``base``
-        n = int(draws[0])
-        if update:
-            draws[0] = n + 1
-        mix = _splitmix64(base ^ _splitmix64(salt_of(salt_name)))
-        seed = _splitmix64(_splitmix64(torch_fingerprint(x.device) ^ mix) ^ n) & _SEED_MASK
+    seed = draw_seed(draws, salt_name, update, x.device, base) if stochastic else 0
     packed = kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, params[0], params[2], bits, groups,
                                                                    inner, seed, stochastic)
     return packed, params
@@ -332,10 +328,15 @@ def _unpack_fallback(packed, step, shift, bits, groups, inner, numel, dtype):
     return _dequantize_impl(packed, step, shift, bits, groups, inner, numel, dtype)
 
 
+def _pack_impl(x, inv, shift, bits, groups, inner):
+    """Codes of ``x`` rounded to nearest by its backend's kernel (no draw)."""
+    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
+
+
 def _pack_fallback(x, inv, shift, bits, groups, inner):
     if _native_registered(x, x.dtype, bits):
         return torch.ops.mesa.pack.default(x, inv, shift, bits, groups, inner)
-    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
+    return _pack_impl(x, inv, shift, bits, groups, inner)
 
 
 def _lut_apply_fallback(packed, table, bits, groups, inner, numel, mul):
@@ -426,7 +427,7 @@ def pack(x, inv, shift, bits, groups, inner) -> torch.Tensor:
     if torch.compiler.is_compiling():
         native_wanted()
         return torch.ops.mesa.pack.default(x, inv, shift, bits, groups, inner)
-    return kernel_for(get_backend(x), x, x.dtype, bits).quantize(x, inv, shift, bits, groups, inner, 0, False)
+    return _pack_impl(x, inv, shift, bits, groups, inner)
 
 
 def dequantize(*args) -> torch.Tensor:

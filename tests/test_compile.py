@@ -144,7 +144,7 @@ def test_native_ops_are_cpp_kernels_equal_to_their_python_fallback(monkeypatch):
     packed, rows = torch.ops.mesa.quantize_step(*native)
     assert torch._C._dispatch_has_kernel_for_dispatch_key("mesa::quantize_step", "CPU")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("mesa::unpack", "CPU")
-    monkeypatch.setitem(ops._NATIVE_KEYS, "cpu", True)  # (registered: the fallback computes itself)
+    assert "cpu" in ops._NATIVE  # (registered: the fallback computes itself)
     python = _step_args(x)
     p2, r2 = ops._quantize_step_fallback(*python)
     assert torch.equal(packed, p2) and torch.equal(rows, r2)

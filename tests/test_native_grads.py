@@ -33,6 +33,15 @@ def _same(a, b, what):
         assert torch.equal(a, b), f"{what}: max diff {(a.double() - b.double()).abs().max():.3e}"
 
 
+def _same_for_every_need(spec, native_fn, args_of):
+    """``native_fn`` equals its pure-PyTorch ``spec`` bit for bit on every (need_x, need_w,
+    need_b), with the arguments ``args_of(need)``: (gx, gw, gb) each."""
+    for need in itertools.product((True, False), repeat=3):
+        args = args_of(need)
+        for name, g, w in zip(("gx", "gw", "gb"), native_fn(*args), spec(*args)):
+            _same(g, w, f"{name} need={need}")
+
+
 LINEAR_CASES = [  # (tokens, out, affine (a, c present), cdt, weight dtype)
     (40, 24, None, torch.float32, torch.float32),    # thin output: the (x^T g)^T orientation
     (40, 96, None, torch.float32, torch.float32),
@@ -56,12 +65,8 @@ def test_linear_backward_is_its_specification(native, tokens, out, affine, cdt, 
     gy = torch.randn(2, tokens // 2, out, dtype=cdt)
     a = torch.randn(n_in) if affine and affine[0] else None
     c = torch.randn(n_in) if affine and affine[1] else None
-    for need in itertools.product((True, False), repeat=3):
-        args = (gy, x, weight, affine is not None, a, c, *need, cdt, cdt, wdt, wdt)
-        want = linear.linear_grads(*args)
-        got = native.linear_backward(*args)
-        for name, g, w in zip(("gx", "gw", "gb"), got, want):
-            _same(g, w, f"{name} need={need}")
+    _same_for_every_need(linear.linear_grads, native.linear_backward,
+                         lambda need: (gy, x, weight, affine is not None, a, c, *need, cdt, cdt, wdt, wdt))
 
 
 def test_linear_grads_match_autograd():
@@ -101,12 +106,9 @@ def test_layer_norm_backward_is_its_specification(native, shape, cdt, own):
     zero, one = torch.zeros_like(rstd, dtype=stats), torch.ones_like(rstd, dtype=stats)
     w, b = torch.randn(shape[-1]).to(cdt), torch.randn(shape[-1]).to(cdt)
     gy = torch.randn(shape, dtype=cdt)
-    for need in itertools.product((True, False), repeat=3):
-        args = (gy, xh, rstd, zero, one, w, b, list(shape[-1:]), *need, own, cdt, cdt, cdt, cdt)
-        want = norm.layer_norm_grads(*args)
-        got = native.layer_norm_backward(*args)
-        for name, g, wt in zip(("gx", "gw", "gb"), got, want):
-            _same(g, wt, f"{name} need={need}")
+    _same_for_every_need(norm.layer_norm_grads, native.layer_norm_backward,
+                         lambda need: (gy, xh, rstd, zero, one, w, b, list(shape[-1:]), *need, own, cdt, cdt, cdt,
+                                       cdt))
 
 
 def test_layer_norm_grads_match_autograd():
