@@ -10,7 +10,7 @@ and ``ms.policy`` (``convert_by_num_groups``, ``convert_by_group_size``, ``deplo
 from . import backend, functional, memory, policy, reference
 from .attention import SDPA
 from .layers import (MESA_LAYERS, BatchNorm1d, BatchNorm2d, BatchNorm3d, Conv2d, GELU, LayerNorm, Linear,
-                     MatMul, Normalize, ReLU, Scale, Softmax, SyncBatchNorm)
+                     LinearFn, MatMul, Normalize, ReLU, Scale, Softmax, SyncBatchNorm)
 from .memory import SavedActivationMeter, saved_activation_bytes
 from .audit import audit
 from .compress import compress
@@ -22,7 +22,7 @@ from .nonfinite import check_nonfinite
 from .quant import set_dist_sync, set_prefix_tokens
 
 __all__ = ["SDPA", "Linear", "Conv2d", "LayerNorm", "GELU", "Softmax", "MatMul", "BatchNorm2d", "ReLU",
-           "BatchNorm1d", "BatchNorm3d", "SyncBatchNorm", "Normalize", "Scale",
+           "BatchNorm1d", "BatchNorm3d", "SyncBatchNorm", "Normalize", "Scale", "LinearFn",
            "MESA_LAYERS", "Quantizer", "QuantMixin", "QTensor", "policy", "memory", "backend",
            "functional", "reference", "SavedActivationMeter", "saved_activation_bytes", "compress", "audit",
            "verify"]

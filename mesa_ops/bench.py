@@ -15,7 +15,7 @@ import torch.nn as nn
 from . import layers as L
 from .blocks import Block
 from .memory import SavedActivationMeter
-from .policy import set_mesa
+from .policy import mesa_layers, set_mesa
 
 
 def sync(device) -> None:
@@ -168,3 +168,65 @@ def format_table(rows: list[dict]) -> str:
                              f"{r['bytes_ratio']:.3f}x bytes)")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---- timm models by name, under compress ------------------------------------------------------
+def build_model(name: str, policy="mesa8", img_size: int | None = None, **kwargs) -> nn.Module:
+    """A model by name, with Mesa on per ``policy``: this repo's models (registered in timm as
+    ``mesa_<name>`` once ``models`` is imported) through their own ``ms_policy``; any other timm
+    model (or ``timm:<name>``, e.g. ``timm:deit_small_patch16_224`` for timm's DeiT) created by
+    ``timm.create_model`` (random init) and converted by :func:`compress`. ``img_size`` is passed
+    to models that take it (PVT-v2 does not: it runs at any size)."""
+    import timm
+
+    own = not name.startswith("timm:") and timm.is_model(f"mesa_{name}")
+    if name.startswith("timm:"):
+        name = name[len("timm:"):]
+    if not timm.is_model(f"mesa_{name}" if own else name):
+        raise ValueError(f"unknown model {name!r} (neither this repo's nor timm's)")
+    full = f"mesa_{name}" if own else name
+    extra = dict(kwargs, **({"ms_policy": None if policy in ("off", "exact") else policy} if own else {}))
+    if img_size is not None:
+        try:
+            model = timm.create_model(full, img_size=img_size, **extra)
+        except TypeError as exc:
+            if "img_size" not in str(exc):
+                raise
+            model = timm.create_model(full, **extra)
+    else:
+        model = timm.create_model(full, **extra)
+    if not own:
+        from .compress import compress
+
+        compress(model, policy, warn=False)
+    return model
+
+
+def bench(name: str, policy="mesa8", batch_size: int = 4, img_size: int = 224, steps: int = 3) -> dict:
+    """Saved bytes and train-step time of model ``name`` (see :func:`build_model`) with Mesa per
+    ``policy`` vs exact (the same model with every Mesa layer off: for a timm model its original
+    forward). Steps (forward, sum loss, backward; fp32) alternate exact / Mesa; medians."""
+    from .audit import audit
+
+    model = build_model(name, policy, img_size=img_size).train()
+    on = {n: m.enable for n, m in mesa_layers(model)}
+    x = torch.randn(batch_size, 3, img_size, img_size)
+
+    def set_on(flag):
+        for n, m in mesa_layers(model):
+            m.enable = on[n] and flag
+
+    res = {"model": name, "policy": str(policy), "batch": batch_size, "img_size": img_size,
+           "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
+    times = {True: [], False: []}
+    for flag in (False, True):
+        set_on(flag)
+        res["saved_mesa" if flag else "saved_exact"] = audit(model, x, verbose=False).total_bytes
+        train_step_time(model, (x,))  # warm-up
+    for _ in range(steps):
+        for flag in (False, True):
+            set_on(flag)
+            times[flag].append(train_step_time(model, (x,)))
+    res["step_exact"] = statistics.median(times[False])
+    res["step_mesa"] = statistics.median(times[True])
+    return res

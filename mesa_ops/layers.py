@@ -62,6 +62,34 @@ class Linear(_Layer, nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+class LinearBase(_Layer):
+    """The Mesa base of a layer computing x @ W^T + b with parameters of its own in another form
+    (transformers' ``Conv1D``: W stored transposed; mesa_ops.hf_layers): x stored packed."""
+
+    group_dim = "last"
+
+
+class LinearFn(_Layer, nn.Module):
+    """``F.linear(x, weight, bias)`` as a Mesa layer, for a module that keeps its projection
+    weight itself and calls the function (``nn.MultiheadAttention``'s ``in_proj_weight``): no
+    parameters of its own; ``forward(x, weight, bias)`` stores x (..., in_features) at ``bits``
+    bits, G groups along it, while active (training, the weight needs a gradient)."""
+
+    group_dim = "last"
+
+    def __init__(self, in_features: int, mesa=False, args=None, logger=None, quant_groups=1, bits=8,
+                 enable=False):
+        nn.Module.__init__(self)
+        self.in_features = int(in_features)
+        self._setup("fc", mesa, enable, quant_groups, bits)
+
+    def forward(self, x, weight, bias=None):
+        if not torch.jit.is_scripting():
+            if self.enable and self.training and weight.requires_grad and torch.is_grad_enabled():
+                return MF.linear_fn(x, weight, bias, self)
+        return F.linear(x, weight, bias)
+
+
 class Conv2d(_Layer, nn.Conv2d):
     """``nn.Conv2d`` storing its input (B, C_in, H, W) at ``bits`` bits, groups along C_in.
     With a frozen weight (no weight gradient) the input is not stored at all (exact autograd
@@ -367,5 +395,5 @@ class LayerScaleBase(_Layer):
         return None
 
 
-MESA_LAYERS = (Linear, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
+MESA_LAYERS = (Linear, LinearFn, LinearBase, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
                Softmax, MatMul, SDPA, BatchNormBase, Normalize, Scale, LayerScaleBase)

@@ -335,6 +335,7 @@ _CONVERTIBLE = (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm
 # module's class is swapped in place, its children converted as any others
 _SWAPPABLE = {"timm.layers.norm_act.BatchNormAct2d", "timm.layers.layer_scale.LayerScale",
               "timm.layers.layer_scale.LayerScale2d", "timm.models.vision_transformer.LayerScale"}
+_HF_SWAPPABLE = {"transformers.pytorch_utils.Conv1D"}  # (mesa_ops.hf_layers)
 _SAME_FORWARD = {"timm.layers.norm.LayerNorm", "timm.models.layers.norm.LayerNorm",
                  # mmcv's wrappers (mmseg / mmdet backbones): their forward special-cases empty
                  # inputs on torch < 1.4 / 1.5 only, and is the base forward otherwise
@@ -412,11 +413,14 @@ def _groups_of_size(channels: int, s: int, what: str) -> int:
 def _swap_class(child: nn.Module, g_of) -> nn.Module | None:
     """``child`` turned into its Mesa version in place (a class of :data:`_SWAPPABLE`), or None."""
     cls = type(child)
-    if f"{cls.__module__}.{cls.__qualname__}" not in _SWAPPABLE:
+    qn = f"{cls.__module__}.{cls.__qualname__}"
+    if qn in _HF_SWAPPABLE:
+        from .hf_layers import SWAPS
+    elif qn in _SWAPPABLE:
+        from .timm_layers import SWAPS
+    else:
         return None
-    from .timm_layers import SWAPS
-
-    swap = SWAPS.get(f"{cls.__module__}.{cls.__qualname__}")
+    swap = SWAPS.get(qn)
     if swap is None:  # (a name of another timm version)
         return None
     mesa_cls, tag, channels = swap

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 import mesa_ops as ms
-from mesa_ops.compress import MesaAttentionMixin, build_model
+from mesa_ops.bench import build_model
+from mesa_ops.compress import MesaAttentionMixin
 from mesa_ops.policy import PolicyError
 
 # small stock configurations of the three families (64 px inputs)

@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import mesa_ops as ms
-from mesa_ops.compress import build_model
+from mesa_ops.bench import build_model
 import models  # noqa: F401  (registers this repo's models with timm as mesa_<name>)
 
 

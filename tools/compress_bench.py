@@ -10,7 +10,7 @@ import argparse
 import torch
 
 import models  # noqa: F401  (registers this repo's models with timm as mesa_<name>)
-from mesa_ops.compress import bench
+from mesa_ops.bench import bench
 
 PAIRS = [("vit_small_patch16_224", "deit_small_patch16_224"),
          ("swin_tiny_patch4_window7_224", "swin_tiny_patch4_window7_224"),

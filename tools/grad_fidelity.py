@@ -25,7 +25,7 @@ import data
 import mesa_ops as ms
 import models
 from mesa_ops import fidelity
-from mesa_ops.compress import build_model
+from mesa_ops.bench import build_model
 from mesa_ops.reference import RANGE_MODES
 
 

@@ -21,7 +21,7 @@ from timm.utils import ParseKwargs
 
 import models  # noqa: F401  (registers this repo's models with timm as mesa_<name>)
 from mesa_ops import planner as P
-from mesa_ops.compress import build_model
+from mesa_ops.bench import build_model
 
 
 def main(argv=None):
