@@ -112,9 +112,12 @@ class _Softmax(torch.autograd.Function):
     def backward(ctx, gy, *unused):
         if gy is None:  # (grads are not materialized: the output took no gradient)
             return None, None, None, None, None, None
-        (yh,) = saved_tensors(ctx, False, 0, ctx.traced)
+        (held,) = saved_tensors(ctx, False, 0, ctx.traced)
+        # each restored row renormalised to sum to one, as exact's does: the input gradient then
+        # sums to zero along dim, so a shift of the logits (a key bias) gets no gradient (issue 49)
+        yh = held / held.sum(ctx.dim, keepdim=True)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
-        release(yh)
+        release(held)
         return gx.to(ctx.x_dtype), None, None, None, None, None
 
 

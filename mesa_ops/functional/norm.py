@@ -22,6 +22,20 @@ def _cast_params(cdt, x, *params):
     return tuple(None if p is None else p.to(cdt) for p in params)
 
 
+def recentre(xh: torch.Tensor, inv: torch.Tensor, eps: float, dims) -> torch.Tensor:
+    """A restored x-hat made what the exact one is over ``dims`` (a LayerNorm's row, a batch
+    norm's channel): mean 0 and mean square 1 - eps * inv^2 (``inv``: the stored rstd / invstd),
+    in float32 or wider. Backward then keeps exact's invariances (issue 49): the input gradient
+    sums to zero over ``dims`` (a bias or shift before the norm gets exact's zero gradient, not
+    the packing error's projection) and is orthogonal to the input as exact's is (a scale before
+    the norm). It moves each value by about the packing error (<= half a level), no more."""
+    x = xh if xh.dtype in _WIDE else xh.float()
+    x = x - x.mean(dims, keepdim=True)
+    ms = x.square().mean(dims, keepdim=True)
+    target = (1.0 - eps * inv.to(x.dtype).square()).clamp_min(0.0)
+    return x * torch.where(ms > 0, (target / ms).sqrt(), torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 class _LayerNorm(torch.autograd.Function):
     """y = x-hat * weight + bias, x-hat = (x - mean) * rstd over the normalized dims.
 
@@ -50,7 +64,7 @@ class _LayerNorm(torch.autograd.Function):
         qx = quant.quantize(xc, amp16, (mean, rstd), out_packed)
         save_for_backward(ctx, qx, rstd, w, b, traced=out_packed)
         ctx.mesa_name = quant
-        ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
+        ctx.normalized_shape, ctx.x_dtype, ctx.cdt, ctx.eps = list(normalized_shape), x.dtype, cdt, eps
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.traced = out_packed
         if out_packed:  # dynamo lets attributes be set on a single-output op's result only
@@ -70,6 +84,8 @@ class _LayerNorm(torch.autograd.Function):
             xh, rstd, w, b = saved_tensors(ctx, False, 0, ctx.traced)
             need = ctx.needs_input_grad
             shape = ctx.normalized_shape
+            held = xh
+            xh = recentre(xh, rstd, ctx.eps, tuple(range(-len(shape), 0)))
             # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
             # order that does not depend on the thread count (aten's CPU kernel sums per-thread
             # partials: another thread count changed their last bits, which stochastic rounding then
@@ -83,8 +99,8 @@ class _LayerNorm(torch.autograd.Function):
             gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
                 gy, xh, rstd, zero, one, w, b, shape, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
                 *ctx.p_dtypes)
-            if getattr(xh, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
-                release(xh)
+            if getattr(held, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
+                release(held)
             return gx, None, gw, gb, None, None, None, None, None
         except BaseException:
             disarm()  # (the engine drops its callbacks: the workspace would stay held)
@@ -188,7 +204,9 @@ class _BatchNorm(torch.autograd.Function):
             mean, invstd = _channel_stats(save_mean, save_var, xhat.dim())
             # x as aten's kernel reads it, from the stored x-hat: its error is now relative to
             # each channel's own std, and the kernel's (x - mean) * invstd recovers the x-hat
-            xh = torch.addcdiv(mean, xhat.float(), invstd).to(ctx.cdt)
+            # (centred and scaled per channel as exact's x-hat is: see recentre)
+            dims = (0,) + tuple(range(2, xhat.dim()))
+            xh = torch.addcdiv(mean, recentre(xhat, invstd, ctx.eps, dims), invstd).to(ctx.cdt)
             release(xhat)
         need = ctx.needs_input_grad
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(

@@ -1,0 +1,103 @@
+"""Issue 49, item 3: backward keeps exact's invariances. A restored x-hat is centred and scaled
+per channel (batch norm) / per row (LayerNorm) as exact's is, a restored softmax row sums to
+one, so a parameter the exact model is invariant to gets exact's gradient (zero up to rounding)
+instead of the packing error's projection. Constructed cases, 8 and 4 bits."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mesa_ops as ms
+
+
+def _on(module, bits):
+    ms.policy.set_mesa(module, True, bits)
+    return module.train()
+
+
+class ShiftScaleBN(nn.Module):
+    """x (B, C, H, W) + shift (a bias before the norm) times scale (per channel), batch norm."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(1, c, 1, 1))
+        self.scale = nn.Parameter(torch.rand(1, c, 1, 1) + 0.5)
+        self.bn = ms.BatchNorm2d(c)
+
+    def forward(self, x):
+        return self.bn((x + self.shift) * self.scale)
+
+
+class ShiftLN(nn.Module):
+    """x (B, N, C) + a per-row constant (a shift LayerNorm is invariant to), LayerNorm."""
+
+    def __init__(self, c=32):
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(()))
+        self.ln = ms.LayerNorm(c)
+
+    def forward(self, x):
+        return self.ln(x + self.shift)
+
+
+class KeyBias(nn.Module):
+    """softmax(q (k + b_k)^T) v through ms.MatMul / ms.Softmax: the key bias adds q . b_k to a
+    whole row of logits, to which softmax is invariant."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.bk = nn.Parameter(torch.randn(d))
+        self.mm1, self.sm, self.mm2 = ms.MatMul(quant_groups=2), ms.Softmax(-1, quant_groups=2), ms.MatMul(quant_groups=2)
+
+    def forward(self, q, k, v):
+        return self.mm2(self.sm(self.mm1(q, (k + self.bk).transpose(-2, -1))), v)
+
+
+def _grads(model, inputs, g_seed=1):
+    model.zero_grad()
+    y = model(*inputs)
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(g_seed)))
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("bits", (8, 4))
+def test_invariant_parameters_get_exact_zero_gradient(bits):
+    torch.manual_seed(0)
+    cases = [(ShiftScaleBN(), (torch.randn(4, 8, 6, 6) * 3,), ("shift",)),
+             (ShiftLN(), (torch.randn(4, 10, 32) * 2 + 1,), ("shift",)),
+             (KeyBias(), tuple(torch.randn(2, 2, 12, 16) for _ in range(3)), ("bk",))]
+    for model, inputs, names in cases:
+        exact = _grads(model.train(), inputs)
+        mesa = _grads(_on(model, bits), inputs)
+        for n in names:
+            # exact: zero up to rounding (and eps, for the scale before a batch norm)
+            scale = float(exact[n].norm()) + 1e-6 * float(sum(g.norm() for g in exact.values()))
+            assert float(mesa[n].norm()) <= 10 * scale, (type(model).__name__, n, mesa[n], exact[n])
+        ms.policy.set_mesa(model, False)
+
+
+def test_scale_before_batch_norm_gets_only_the_packing_noise():
+    """A per-channel scale before a batch norm: its gradient sum(g_z * x) is zero in exact
+    arithmetic, but needs the true input, which Mesa does not store; the centred x-hat makes
+    g_z orthogonal to the restored x-hat, so what is left is the packing error's projection
+    (measured: 0.8% of the batch norm weight's gradient at 8 bits, 0.28 against 34)."""
+    torch.manual_seed(0)
+    model, x = ShiftScaleBN(), torch.randn(4, 8, 6, 6) * 3
+    exact = _grads(model.train(), (x,))
+    mesa = _grads(_on(model, 8), (x,))
+    assert float(exact["scale"].norm()) < 1e-4
+    assert float(mesa["scale"].norm()) < 0.02 * float(exact["bn.weight"].norm())
+
+
+def test_recentred_gradients_stay_close_to_exact():
+    """The renormalisation moves x-hat by the packing error only: every other gradient stays
+    within the 8-bit bound (a Linear after the norms, the weights of the norms)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    ms.policy.convert_by_num_groups(net, 1)
+    x = torch.randn(8, 20, 32)
+    exact = _grads(net.train(), (x,))
+    mesa = _grads(_on(net, 8), (x,))
+    for n, g in exact.items():
+        assert float((mesa[n] - g).norm() / g.norm()) < 0.02, n
