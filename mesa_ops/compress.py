@@ -26,6 +26,10 @@ its code (Pan et al., Mesa, arXiv 2111.11124, Sec. 3-4):
 * Groups: ``quant_groups='heads'`` gives the layers inside a block containing an attention
   module one group per head of that block (as this repo's models do); elsewhere one group.
 
+* torchvision's and Hugging Face transformers' attention (``nn.MultiheadAttention``, torchvision's
+  Swin window attention, every transformers attention module on the attention-function registry)
+  and transformers' ``Conv1D``: :mod:`mesa_ops.zoo`, :mod:`mesa_ops.hf_layers`.
+
 A layer that saves activations for backward but has no Mesa counterpart is listed in the
 returned :class:`CompressReport` (and in a warning), never silently skipped; pass
 ``example_inputs`` to also run :func:`mesa_ops.audit.audit` and list every module whose saved

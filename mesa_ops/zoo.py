@@ -29,7 +29,6 @@ import warnings
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import layers as L
 from .attention_forms import (MesaAttentionMixin, _SDPAToMesa, _any_enabled, _compress_attention, _mesa_ops_of,
