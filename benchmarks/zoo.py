@@ -63,7 +63,7 @@ def _hf(kind: str):
             intermediate_size=4 * WIDTH, max_position_embeddings=SEQ, num_labels=10))
     if kind == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=WIDTH, n_layer=DEPTH, n_head=HEADS,
-                                              n_positions=SEQ))
+                                              n_positions=SEQ, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1))
     raise ValueError(kind)
 
 
