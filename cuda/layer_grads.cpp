@@ -78,8 +78,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(
 }
 
 // functional/norm.py's _LayerNorm.backward after its restore: xh the stored x-hat (float32 or
-// wider), rstd the forward's statistics; aten's backward with mean `zero` and rstd `one` (x-hat is
-// its own normalized input), the input gradient times rstd; with `own_sums` (CPU,
+// wider), rstd the forward's statistics; aten's backward with mean `zero` (x-hat's own row mean:
+// the x-hat it works with is centred, as exact's) and rstd `one` (x-hat less that mean is its own
+// normalized input), the input gradient times rstd; with `own_sums` (CPU,
 // float32/64) the weight / bias gradients as column sums in an order that does not depend on the
 // thread count. Returns (gx, gw, gb), undefined where not needed.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
@@ -95,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
   if (own_sums) {
     std::vector<int64_t> dims;
     for (int64_t d = 0; d < g.dim() - static_cast<int64_t>(normalized_shape.size()); ++d) dims.push_back(d);
-    if (need_w) gw = (g * xc).sum(dims);
+    if (need_w) gw = (g * (xc - zero)).sum(dims);  // (zero: x-hat's row mean, functional/norm.py centre)
     if (need_b) gb = g.sum(dims);
   }
   if (gx.defined()) gx = as_type(gx.mul_(rstd), x_dtype);

@@ -128,7 +128,7 @@ def test_verify_passes_a_mesa8_vit():
     model, report = ms.compress(model, "mesa8", verify=torch.randn(4, 3, 32, 32), return_report=True,
                                 warn=False)
     assert report.verify.flagged == [] and 0 < report.verify.worst[1] < 0.05
-    assert "0 above 5%" in report.summary()
+    assert 0 < max(report.verify.vs_noise.values()) < 0.5 and "0 above 0.5x" in report.summary()
 
 
 def test_verify_reads_dict_and_hugging_face_outputs():
@@ -285,3 +285,37 @@ def test_unnamed_timm_models(name):
     check = ms.verify(mesa, x, draws=2)
     assert check.errors and all(e == e for e in check.errors.values())  # (NaN != NaN)
     assert check.flagged == [], check.summary()
+
+
+def test_verify_judges_errors_against_minibatch_noise():
+    """Item 4: efficientnet_b0's expand batch norms, whose exact weight gradients nearly cancel,
+    have relative errors above 5% (measured 12-16%, 16 parameters), but Mesa's error is a small
+    fraction of the spread of exact gradients over minibatches (at most 0.17x): nothing is
+    flagged. The 2-bit copy of test_verify_flags_... is still flagged (that test)."""
+    torch.manual_seed(0)
+    model = ms.compress(timm.create_model("efficientnet_b0", num_classes=10), "mesa8", warn=False)
+    report = ms.verify(model, torch.randn(8, 3, 64, 64), draws=2)
+    assert sum(e > 0.05 for e in report.errors.values()) >= 5
+    assert report.splits == 4 and set(report.vs_noise) == set(report.noise)
+    assert report.flagged == [] and max(report.vs_noise.values()) < 0.5
+    assert "0 above 0.5x" in report.summary()
+
+
+def test_verify_minibatch_noise_is_the_spread_of_part_gradients():
+    """The noise estimate on a case computed by hand: one Mesa Linear, the default projection
+    loss sum(y * P) (P fixed, (8, 3)); parts of 2 rows, each part's weight gradient P_i^T x_i
+    scaled to the whole batch (x4: a summed loss), their standard deviation / sqrt(4). A batch
+    of 3 rows cannot be split: the relative-error criterion is used."""
+    import math
+
+    torch.manual_seed(0)
+    lin = ms.Linear(6, 3)
+    ms.policy.set_mesa(lin, True, 8)
+    x = torch.randn(8, 6)
+    report = ms.verify(lin, x, draws=1)
+    P = torch.randn((8, 3), generator=torch.Generator().manual_seed(0)) / math.sqrt(24)
+    gw = torch.stack([P[i:i + 2].T @ x[i:i + 2] for i in range(0, 8, 2)])  # (4, 3, 6)
+    assert report.noise["weight"] == pytest.approx(float(4 * gw.std(0).norm() / 2), rel=1e-4)
+    assert report.vs_noise["weight"] < 0.5 and report.flagged == []
+    small = ms.verify(lin, x[:3], draws=1)
+    assert small.noise == {} and small.vs_noise == {} and "above 5%" in small.summary()

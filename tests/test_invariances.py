@@ -1,7 +1,9 @@
-"""Issue 49, item 3: backward keeps exact's invariances. A restored x-hat is centred and scaled
-per channel (batch norm) / per row (LayerNorm) as exact's is, a restored softmax row sums to
-one, so a parameter the exact model is invariant to gets exact's gradient (zero up to rounding)
-instead of the packing error's projection. Constructed cases, 8 and 4 bits."""
+"""Issue 49, item 3: backward keeps exact's invariances. A restored x-hat is centred per channel
+(batch norm) / per row (LayerNorm) as exact's is, a restored softmax row sums to one, so a
+parameter the exact model is invariant to gets exact's gradient (zero up to rounding) instead of
+the packing error's projection. Constructed cases, 8 and 4 bits. Measured before: a shift before
+a batch norm 5.8e-3 (8 bits) / 0.21 (4 bits), before a LayerNorm 5.2e-2 / 0.35, a key bias 0.23 /
+5.6; now 2e-6 - 6e-6, as exact's 1e-6 - 1e-5."""
 from __future__ import annotations
 
 import pytest
@@ -79,9 +81,9 @@ def test_invariant_parameters_get_exact_zero_gradient(bits):
 
 def test_scale_before_batch_norm_gets_only_the_packing_noise():
     """A per-channel scale before a batch norm: its gradient sum(g_z * x) is zero in exact
-    arithmetic, but needs the true input, which Mesa does not store; the centred x-hat makes
-    g_z orthogonal to the restored x-hat, so what is left is the packing error's projection
-    (measured: 0.8% of the batch norm weight's gradient at 8 bits, 0.28 against 34)."""
+    arithmetic, but that needs g_z orthogonal to the true input, which Mesa does not store: what
+    is left is the packing error's projection (measured 0.28 against the batch norm weight's 34
+    at 8 bits, as before centring; renormalising x-hat's scale as well did not change it)."""
     torch.manual_seed(0)
     model, x = ShiftScaleBN(), torch.randn(4, 8, 6, 6) * 3
     exact = _grads(model.train(), (x,))
@@ -90,8 +92,8 @@ def test_scale_before_batch_norm_gets_only_the_packing_noise():
     assert float(mesa["scale"].norm()) < 0.02 * float(exact["bn.weight"].norm())
 
 
-def test_recentred_gradients_stay_close_to_exact():
-    """The renormalisation moves x-hat by the packing error only: every other gradient stays
+def test_centred_gradients_stay_close_to_exact():
+    """Centring moves x-hat by the packing error only: every other gradient stays
     within the 8-bit bound (a Linear after the norms, the weights of the norms)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 16))

@@ -22,18 +22,15 @@ def _cast_params(cdt, x, *params):
     return tuple(None if p is None else p.to(cdt) for p in params)
 
 
-def recentre(xh: torch.Tensor, inv: torch.Tensor, eps: float, dims) -> torch.Tensor:
-    """A restored x-hat made what the exact one is over ``dims`` (a LayerNorm's row, a batch
-    norm's channel): mean 0 and mean square 1 - eps * inv^2 (``inv``: the stored rstd / invstd),
-    in float32 or wider. Backward then keeps exact's invariances (issue 49): the input gradient
-    sums to zero over ``dims`` (a bias or shift before the norm gets exact's zero gradient, not
-    the packing error's projection) and is orthogonal to the input as exact's is (a scale before
-    the norm). It moves each value by about the packing error (<= half a level), no more."""
-    x = xh if xh.dtype in _WIDE else xh.float()
-    x = x - x.mean(dims, keepdim=True)
-    ms = x.square().mean(dims, keepdim=True)
-    target = (1.0 - eps * inv.to(x.dtype).square()).clamp_min(0.0)
-    return x * torch.where(ms > 0, (target / ms).sqrt(), torch.zeros((), dtype=x.dtype, device=x.device))
+def centre(xh: torch.Tensor, dims) -> torch.Tensor:
+    """The mean of a restored x-hat over ``dims`` (a LayerNorm's row, a batch norm's channel),
+    float32 or wider, kept dims: what backward subtracts so that the x-hat it works with has
+    mean 0 there, as exact's has. The input gradient then sums to zero over ``dims`` as exact's
+    does, so a bias or shift before the norm gets exact's (zero) gradient instead of the packing
+    error's projection (issue 49). (A scale before the norm needs the gradient orthogonal to the
+    true input, which Mesa does not store: that one keeps the packing noise, see
+    tests/test_invariances.py.)"""
+    return xh.mean(dims, keepdim=True, dtype=None if xh.dtype in _WIDE else torch.float32)
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -64,7 +61,7 @@ class _LayerNorm(torch.autograd.Function):
         qx = quant.quantize(xc, amp16, (mean, rstd), out_packed)
         save_for_backward(ctx, qx, rstd, w, b, traced=out_packed)
         ctx.mesa_name = quant
-        ctx.normalized_shape, ctx.x_dtype, ctx.cdt, ctx.eps = list(normalized_shape), x.dtype, cdt, eps
+        ctx.normalized_shape, ctx.x_dtype, ctx.cdt = list(normalized_shape), x.dtype, cdt
         ctx.p_dtypes = (None if weight is None else weight.dtype, None if bias is None else bias.dtype)
         ctx.traced = out_packed
         if out_packed:  # dynamo lets attributes be set on a single-output op's result only
@@ -84,8 +81,6 @@ class _LayerNorm(torch.autograd.Function):
             xh, rstd, w, b = saved_tensors(ctx, False, 0, ctx.traced)
             need = ctx.needs_input_grad
             shape = ctx.normalized_shape
-            held = xh
-            xh = recentre(xh, rstd, ctx.eps, tuple(range(-len(shape), 0)))
             # on the CPU in float32/64, the weight and bias gradients as column sums, reduced in an
             # order that does not depend on the thread count (aten's CPU kernel sums per-thread
             # partials: another thread count changed their last bits, which stochastic rounding then
@@ -95,12 +90,14 @@ class _LayerNorm(torch.autograd.Function):
                    and gy.dim() > len(shape))  # (an unbatched input: nothing to sum over)
             native = None if ctx.traced else native_for(ENV.get(BACKEND_VAR), gy.is_cuda)
             # (mean 0 and rstd 1: x-hat is its own normalized input; made once per shape)
-            zero, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
+            # (x-hat's own row mean, not 0: the x-hat the backward works with is centred, see centre)
+            _, one = _unit_stats(rstd.shape, ctx.stats_dtype, rstd.device)
+            zero = centre(xh, tuple(range(-len(shape), 0))).to(ctx.stats_dtype)
             gx, gw, gb = (layer_norm_grads if native is None else native.layer_norm_backward)(
                 gy, xh, rstd, zero, one, w, b, shape, need[0], need_w, need_b, own, ctx.cdt, ctx.x_dtype,
                 *ctx.p_dtypes)
-            if getattr(held, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
-                release(held)
+            if getattr(xh, "_mesa_ws", None) is not None:  # (a workspace buffer: given back)
+                release(xh)
             return gx, None, gw, gb, None, None, None, None, None
         except BaseException:
             disarm()  # (the engine drops its callbacks: the workspace would stay held)
@@ -110,8 +107,8 @@ class _LayerNorm(torch.autograd.Function):
 def layer_norm_grads(gy, xh, rstd, zero, one, w, b, normalized_shape, need_x: bool, need_w: bool,
                      need_b: bool, own_sums: bool, cdt, x_dtype, w_dtype, b_dtype):
     """(gx, gw, gb) of a LayerNorm from its stored x-hat (float32 or wider) and rstd: aten's
-    backward with mean ``zero`` and rstd ``one`` (x-hat is its own normalized input) and the
-    input gradient times rstd; with ``own_sums`` the weight and bias gradients as column sums;
+    backward with mean ``zero`` (x-hat's own row mean: :func:`centre`) and rstd ``one`` (x-hat
+    less that mean is its own normalized input) and the input gradient times rstd; with ``own_sums`` the weight and bias gradients as column sums;
     None where not needed. The specification of the extension's ``layer_norm_backward``
     (cuda/layer_grads.cpp: the same ops in one native call), and what runs while torch.compile
     traces."""
@@ -121,7 +118,7 @@ def layer_norm_grads(gy, xh, rstd, zero, one, w, b, normalized_shape, need_x: bo
         g, xc, normalized_shape, zero, one, w, b, [need_x, False, False] if own_sums else [need_x, need_w, need_b])
     if own_sums:
         dims = tuple(range(g.dim() - len(normalized_shape)))
-        gw = (g * xc).sum(dims) if need_w else None
+        gw = (g * (xc - zero)).sum(dims) if need_w else None
         gb = g.sum(dims) if need_b else None
     if gx is not None:
         gx = as_dtype(gx.mul_(rstd), x_dtype)
@@ -204,9 +201,10 @@ class _BatchNorm(torch.autograd.Function):
             mean, invstd = _channel_stats(save_mean, save_var, xhat.dim())
             # x as aten's kernel reads it, from the stored x-hat: its error is now relative to
             # each channel's own std, and the kernel's (x - mean) * invstd recovers the x-hat
-            # (centred and scaled per channel as exact's x-hat is: see recentre)
-            dims = (0,) + tuple(range(2, xhat.dim()))
-            xh = torch.addcdiv(mean, recentre(xhat, invstd, ctx.eps, dims), invstd).to(ctx.cdt)
+            # (centred per channel as exact's x-hat is: see centre)
+            xf = xhat.float()
+            xf = xf - centre(xf, (0,) + tuple(range(2, xhat.dim())))
+            xh = torch.addcdiv(mean, xf, invstd).to(ctx.cdt)
             release(xhat)
         need = ctx.needs_input_grad
         gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
