@@ -29,6 +29,8 @@ its code (Pan et al., Mesa, arXiv 2111.11124, Sec. 3-4):
 * torchvision's and Hugging Face transformers' attention (``nn.MultiheadAttention``, torchvision's
   Swin window attention, every transformers attention module on the attention-function registry)
   and transformers' ``Conv1D``: :mod:`mesa_ops.zoo`, :mod:`mesa_ops.hf_layers`.
+* products with a module's own per-channel parameter written inline (a layer scale
+  ``self.lambda_1 * x``): stored packed, :mod:`mesa_ops.products`.
 
 A layer that saves activations for backward but has no Mesa counterpart is listed in the
 returned :class:`CompressReport` (and in a warning), never silently skipped; pass
@@ -53,6 +55,7 @@ from .attention_forms import (COMPRESSED_ATTENTION, COSINE_OPS, EXPLICIT_ATTENTI
                               _compress_attention, _is_timm_attention, _mesa_ops_of, _qualname,
                               attention_core, heads_of)
 from .quant import QuantMixin
+from .products import convert_products
 from .zoo import compress_zoo_attention
 from .policy import (PolicyError, convert_by_num_groups, deploy_on_init, mark_prefix_tokens,
                      mesa_layers, set_mesa)
@@ -81,7 +84,11 @@ _SAVE_NOTHING = (nn.Identity, nn.Flatten, nn.Unflatten, nn.Unfold,
 _SAVE_NOTHING_NAMES = ("timm.layers.drop.DropPath", "timm.layers.adaptive_avgmax_pool.FastAdaptiveAvgPool",
                        "timm.layers.format.Format",
                        # mmcv / mmseg (MesaCompressed): per-sample drop-path scalars; F.pad
-                       "mmcv.cnn.bricks.drop.DropPath", "mmseg.models.utils.embed.AdaptivePadding")
+                       "mmcv.cnn.bricks.drop.DropPath", "mmseg.models.utils.embed.AdaptivePadding",
+                       # torchvision / transformers: a permute; per-sample drop-path scalars
+                       "torchvision.ops.misc.Permute", "torchvision.ops.stochastic_depth.StochasticDepth",
+                       "transformers.models.swin.modeling_swin.SwinDropPath",
+                       "transformers.models.beit.modeling_beit.BeitDropPath")
 
 
 @dataclass
@@ -309,6 +316,7 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         else:  # nn.MultiheadAttention, transformers' attention modules (mesa_ops.zoo)
             compress_zoo_attention(m)
     _convert_layers(model, quant_groups)
+    convert_products(model, _groups_resolver(model, quant_groups))  # x * gamma inline (products.py)
     lora = convert_lora_layers(model)  # peft LoRA: A reuses the stored copy under autocast too
     groups = _fit_groups(model)
     mark_prefix_tokens(model)

@@ -16,7 +16,7 @@ import mesa_ops as ms
 from benchmarks import zoo
 
 # model -> (attention modules converted, bound on the saved ratio, bound on the gradient error).
-# Measured (dropout off): 0.168, 0.183, 0.201, 0.168, 0.168, 0.261, 0.261, 0.219, 0.2x, 0.196;
+# Measured (dropout off): 0.168, 0.183, 0.201, 0.168, 0.168, 0.181, 0.184, 0.219, 0.2x, 0.196;
 # timm's vit_small 0.177 and swin_tiny 0.177 at the same shapes (the issue's targets: within
 # 0.05 of those; GPT-2 at most 0.35).
 CASES = {
@@ -25,8 +25,8 @@ CASES = {
     "torchvision swin_v2_t": (4, 0.227, 0.05),
     "HF ViT": (2, 0.227, 0.03),
     "HF DeiT": (2, 0.227, 0.03),
-    "HF Dinov2": (2, 0.30, 0.03),     # (its LayerScale: x * lambda1 stays exact, named)
-    "HF BEiT": (2, 0.30, 0.03),       # (lambda_1 * x inside BeitLayer stays exact, named)
+    "HF Dinov2": (2, 0.227, 0.03),    # (its LayerScale's x * lambda1: mesa_ops.products)
+    "HF BEiT": (2, 0.227, 0.03),      # (lambda_1 * x inside BeitLayer: mesa_ops.products)
     "HF Swin": (4, 0.227, 0.03),
     "HF BERT": (2, 0.227, 0.03),
     "HF GPT-2": (2, 0.35, 0.03),
@@ -191,3 +191,53 @@ def test_report_counts_only_layers_a_forward_uses():
     _, report = ms.compress(Net(), "mesa8", example_inputs=x, return_report=True, warn=False)
     assert report.idle == ["bypassed"] and report.converted["Linear"] == 1
     assert "never used by the audited training forward (1" in report.summary()
+
+
+def test_inline_layer_scales_are_stored_packed():
+    """Item 2: products with a module's own per-channel parameter written inline (torchvision's
+    ConvNeXt ``self.layer_scale * self.block(x)``, (C, 1, 1); a custom ``x * self.gamma``, (C,);
+    an RMS norm's ``self.weight * x``) are routed to a Mesa ProductScale: x packed, the forward
+    bit for bit, gradients close; a module whose parameter is not multiplied (a ViT's class
+    token) keeps its class."""
+    import timm
+
+    pytest.importorskip("torchvision")
+    from torchvision.models import convnext
+
+    class Gamma(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.gamma = nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            return x + self.fc(x) * self.gamma
+
+    class RMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    torch.manual_seed(0)
+    cn = convnext.ConvNeXt([convnext.CNBlockConfig(32, 64, 1), convnext.CNBlockConfig(64, None, 1)],
+                           num_classes=10, layer_scale=0.5)
+    cases = [(cn, torch.randn(4, 3, 64, 64), 2), (nn.Sequential(Gamma(), RMSNorm()), torch.randn(4, 10, 16), 2)]
+    for ref, x, n in cases:
+        ref.train()
+        mesa, report = ms.compress(copy.deepcopy(ref), "mesa8", return_report=True, warn=False)
+        assert report.converted.get("ProductScale") == n
+        outs, meters = [], []
+        for model in (ref, mesa.train()):
+            torch.manual_seed(1)
+            with ms.SavedActivationMeter(model) as meter:
+                outs.append(model(x))
+            meters.append(meter)
+            outs[-1].square().mean().backward()
+        assert torch.equal(outs[0], outs[1]) and meters[1].by_type.get("ProductScale", 0) > 0
+        for (name, p), q in zip(ref.named_parameters(), mesa.parameters()):
+            assert float((q.grad - p.grad).norm() / p.grad.norm()) < 0.03, name
+    vit = ms.compress(timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1), "mesa8", warn=False)
+    assert type(vit).__name__ == "VisionTransformer"
