@@ -142,8 +142,9 @@ def measure(name: str, policy: str = "mesa8") -> dict:
         model.zero_grad(set_to_none=True)
     exact, packed = saved_bytes(ref, x), saved_bytes(mesa, x)
     err = float((grads[1] - grads[0]).norm() / grads[0].norm())
+    check = ms.verify(mesa, example(kind, 2 * BATCH, seed=1), loss_fn=loss, draws=2)
     return {"model": name, "exact": exact, "mesa": packed, "ratio": packed / exact, "grad_error": err,
-            "same_forward": bool(torch.equal(ys[0], ys[1])), "report": report,
+            "same_forward": bool(torch.equal(ys[0], ys[1])), "report": report, "verify": check,
             "attention": len(report.attention), "left": report.unsupported}
 
 
@@ -154,17 +155,21 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"# {args.policy}, batch {BATCH}, images {IMG} px, token sequences {SEQ}, random init, "
           f"{DEPTH} blocks, each model's default dropout; gradient error: |g_mesa - g_exact| / |g_exact| "
-          "(cross-entropy, random labels)")
+          f"(cross-entropy, random labels); verify: ms.verify on {2 * BATCH} other samples, 2 draws, "
+          "flagged above 0.5x")
     print("| model | saved exact MiB | saved Mesa MiB | ratio | attention converted | forward equal "
-          "| gradient error | left exact |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| gradient error | verify: worst error / minibatch noise | flagged | left exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.models:
         r = measure(name, args.policy)
         rows.append(r)
         left = "; ".join(sorted({f"{c.rsplit('.', 1)[-1]}" for _, c, _ in r["left"]})) or "-"
+        v = r["verify"]
+        worst = max(v.vs_noise.items(), key=lambda kv: kv[1])
         print(f"| {name} | {r['exact'] / 2**20:.2f} | {r['mesa'] / 2**20:.2f} | {r['ratio']:.3f} | "
-              f"{r['attention']} | {'yes' if r['same_forward'] else 'no'} | {r['grad_error']:.2%} | {left} |",
+              f"{r['attention']} | {'yes' if r['same_forward'] else 'no'} | {r['grad_error']:.2%} | "
+              f"{worst[1]:.2f}x ({worst[0]}) | {len(v.flagged)} | {left} |",
               flush=True)
     return rows
 

@@ -1,4 +1,4 @@
-"""Issue 49, item 1 and 5: torchvision's and Hugging Face transformers' models under
+"""Issue 49, items 1, 2, 4 and 5: torchvision's and Hugging Face transformers' models under
 ``ms.compress`` store their attention packed (nn.MultiheadAttention, torchvision's Swin V1 / V2
 window attention, every transformers attention module through the registry's sdpa function,
 transformers' Conv1D), the forward is the original's, and the report counts only what runs.
@@ -45,7 +45,7 @@ def _grads(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_zoo_model_attention_packed_forward_equal(name):
+def test_zoo_model_attention_packed_forward_equal_verified(name):
     pytest.importorskip("torchvision" if name.startswith("torchvision") else "transformers")
     n_attn, max_ratio, max_err = CASES[name]
     ref, kind = zoo.build(name)
@@ -69,6 +69,8 @@ def test_zoo_model_attention_packed_forward_equal(name):
     assert torch.isfinite(g).all() and float((g - gr).norm() / gr.norm()) < max_err
     ratio = zoo.saved_bytes(mesa, x) / zoo.saved_bytes(ref, x)
     assert ratio < max_ratio, ratio
+    check = ms.verify(mesa, zoo.example(kind, 8, seed=1), loss_fn=zoo.loss, draws=2)
+    assert check.vs_noise and check.flagged == [], check.summary()
 
 
 def _mha_pair(batch_first: bool, dropout: float = 0.0):
