@@ -82,7 +82,7 @@ def attention_core(mm1: L.MatMul, softmax: L.Softmax, mm2: L.MatMul, q, k, v, at
         attn = attn + mask
     attn = softmax(attn)
     if dropout_p > 0:
-        attn = F.dropout(attn, dropout_p, training=True)
+        attn = MF.dropout_fn(attn, dropout_p)  # (F.dropout's draws; a 1-bit mask kept)
     return mm2(attn, v)
 
 

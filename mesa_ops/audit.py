@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from . import layers as L
+from .attention_forms import MesaAttentionMixin
 from .memory import SavedActivationMeter, _storage_key
 from .quant import QuantMixin
 
@@ -149,7 +150,8 @@ class _AuditMeter(SavedActivationMeter):
             return None, None
         inner = self._mods[-1]
         for m in reversed(self._mods):
-            if isinstance(m, L.MESA_LAYERS):
+            # (an attention form's own saves: the 1-bit mask of its explicit path's dropout)
+            if isinstance(m, L.PACKING_LAYERS) or (m is inner and isinstance(m, MesaAttentionMixin)):
                 return inner, m
             if not isinstance(m, QuantMixin):
                 break
@@ -225,7 +227,7 @@ def audit(model: nn.Module, example_inputs, verbose=True, max_rows: int | None =
     for t in meter.saved:
         if t.module not in rows:
             m = mods.get(t.module)
-            rows[t.module] = ModuleRow(t.module, t.type, isinstance(m, L.MESA_LAYERS))
+            rows[t.module] = ModuleRow(t.module, t.type, isinstance(m, L.PACKING_LAYERS))
         rows[t.module].tensors.append(t)
     report = AuditReport(list(rows.values()), list(meter.saved), list(meter.reused))
     if verbose:

@@ -249,7 +249,7 @@ def _unsupported(model: nn.Module) -> list:
         if isinstance(m, _SAVE_NOTHING) or qn in _SAVE_NOTHING_NAMES:
             continue
         if isinstance(m, nn.Dropout):
-            if m.p > 0:
+            if m.p > 0 and not (isinstance(m, L.Dropout) and m.enable):
                 out.append((name, qn, f"dropout p={m.p} saves its mask (1 byte per element)"))
             continue
         if isinstance(m, (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.modules.batchnorm._BatchNorm, nn.GELU,
@@ -262,7 +262,27 @@ def _unsupported(model: nn.Module) -> list:
 
 
 # ---- policy --------------------------------------------------------------------------------
+def _convert_dropouts(model: nn.Module) -> int:
+    """nn.Dropout (exact type, p > 0, not in place) -> :class:`mesa_ops.layers.Dropout` (the same
+    draws; a 1-bit mask for backward once enabled); returns how many."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Dropout and child.p > 0 and not child.inplace:
+                new = L.Dropout(child.p)
+                new.train(child.training)
+                setattr(parent, name, new)
+                n += 1
+    return n
+
+
 def _apply_policy(model: nn.Module, policy) -> str:
+    # 1-bit dropout masks under the named policies and dicts (unless their tags leave "dropout" out)
+    tags = policy.get("tags") if isinstance(policy, dict) else None
+    on = (isinstance(policy, str) and policy in NAMED_POLICIES) or (isinstance(policy, dict) and (tags is None or "dropout" in tags))
+    for m in model.modules():
+        if isinstance(m, L.Dropout):
+            m.enable = bool(on)
     if policy is None or policy is False or policy in ("off", "exact"):
         return "off"
     if isinstance(policy, dict):
@@ -316,6 +336,7 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         else:  # nn.MultiheadAttention, transformers' attention modules (mesa_ops.zoo)
             compress_zoo_attention(m)
     _convert_layers(model, quant_groups)
+    dropouts = _convert_dropouts(model)
     convert_products(model, _groups_resolver(model, quant_groups))  # x * gamma inline (products.py)
     lora = convert_lora_layers(model)  # peft LoRA: A reuses the stored copy under autocast too
     groups = _fit_groups(model)
@@ -324,6 +345,8 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
     report = CompressReport(policy=name, groups=groups, lora=lora)
     for _, m in mesa_layers(model):
         report.converted[type(m).__name__] = report.converted.get(type(m).__name__, 0) + 1
+    if dropouts:
+        report.converted["Dropout"] = dropouts
     report.attention = [n for n, m in model.named_modules() if isinstance(m, MesaAttentionMixin)]
     report.unsupported = _unsupported(model)
     if example_inputs is not None:

@@ -395,5 +395,29 @@ class LayerScaleBase(_Layer):
         return None
 
 
+class Dropout(nn.Dropout):
+    """``nn.Dropout`` whose backward keeps a 1-bit mask (``functional.dropout_fn``: the same
+    draws, output and gradient bit for bit) while ``enable`` is set and it trains with a
+    gradient; exact nn.Dropout otherwise. No quantizer state (the mask is exact): the state
+    dict is the original's. ``mesa_ops.compress`` converts ``nn.Dropout`` (p > 0, not in place)
+    to it and enables it under its named policies."""
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, enable: bool = False):
+        super().__init__(p, inplace)
+        self.enable = bool(enable)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, enable={self.enable}"
+
+    def forward(self, x):
+        if (self.enable and self.training and not self.inplace and torch.is_grad_enabled()
+                and x.requires_grad and not torch.jit.is_scripting()):
+            return MF.dropout_fn(x, self.p)
+        return super().forward(x)
+
+
 MESA_LAYERS = (Linear, LinearFn, LinearBase, Conv2d, LayerNorm, GELU, ReLU, BatchNorm1d, BatchNorm2d, BatchNorm3d, SyncBatchNorm,
                Softmax, MatMul, SDPA, BatchNormBase, Normalize, Scale, LayerScaleBase)
+# modules whose saved uint8 codes are Mesa's packing (the audit's attribution): the Mesa layers
+# and the 1-bit-mask dropout
+PACKING_LAYERS = MESA_LAYERS + (Dropout,)

@@ -128,13 +128,16 @@ class _Gate(nn.Module):
 
 
 def test_unsupported_layers_are_listed():
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), _Gate(), nn.Dropout(0.1), nn.Linear(32, 4))
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), _Gate(), nn.Dropout(0.1, inplace=True),
+                          nn.Dropout(0.1), nn.Linear(32, 4))
     with pytest.warns(UserWarning, match="not compressed"):
         model, report = ms.compress(model, "mesa8", example_inputs=torch.randn(4, 16),
                                     return_report=True)
     names = {n: why for n, _, why in report.unsupported}
     assert "2" in names and "no Mesa counterpart" in names["2"]
-    assert "3" in names and "dropout" in names["3"]
+    # an in-place dropout keeps its mask (listed); the other keeps a 1-bit mask (ms.layers.Dropout)
+    assert "3" in names and "dropout" in names["3"] and "4" not in names
+    assert isinstance(model[4], ms.layers.Dropout) and model[4].enable and report.converted["Dropout"] == 1
     assert isinstance(model[0], ms.Linear) and isinstance(model[1], ms.GELU)
     assert report.audit is not None and report.audit.by_module()["2"] > 0
 

@@ -154,6 +154,54 @@ class _ReLU(torch.autograd.Function):
         return gx
 
 
+# devices whose dropout is the fused kernel (aten's is_fused_kernel_acceptable; the CPU draws a
+# noise tensor instead: _dropout_impl)
+_FUSED_DROPOUT = ("cuda", "xpu", "lazy", "privateuseone")
+
+
+class _Dropout(torch.autograd.Function):
+    """``F.dropout(x, p, training=True)`` drawn as aten draws it (the same generator calls: the
+    output is bit for bit nn.Dropout's under the same seed), keeping the 1-bit mask for backward
+    instead of the mask (CUDA: bool) or the scaled noise (CPU: x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, p: float):
+        fused = x.device.type in _FUSED_DROPOUT
+        if fused:
+            y, mask = torch.native_dropout(x, p, True)
+            kept = pack_mask(mask.to(x.dtype))
+        else:  # (aten: empty_like(x).bernoulli_(1 - p).div_(1 - p); x * noise)
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+            noise.div_(1 - p)
+            y = x * noise
+            kept = pack_mask(noise)
+        save_for_backward(ctx, kept)
+        ctx.p, ctx.fused, ctx.mesa_name = p, fused, "Dropout"
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy):
+        (m,) = saved_tensors(ctx)
+        p = ctx.p
+        if ctx.fused:
+            gx = torch.ops.aten.native_dropout_backward(gy, m > 0, 1.0 / (1.0 - p))
+        else:  # exact's gy * noise: the noise rebuilt from the mask, its kept value as div_ made it
+            gx = gy * m.to(gy.dtype).mul_(torch.ones((), dtype=gy.dtype, device=gy.device).div_(1 - p))
+        release(m)
+        return gx, None
+
+
+def dropout_fn(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropout of x with probability ``p`` (training) whose backward keeps a 1-bit mask: the
+    output and the gradient are nn.Dropout's bit for bit (the same draws)."""
+    if p <= 0.0 or x.numel() == 0 or not x.is_floating_point():
+        return F.dropout(x, p, True)
+    if p >= 1.0:
+        return x * 0.0
+    return _Dropout.apply(x, float(p))
+
+
 def relu_fn(x: torch.Tensor) -> torch.Tensor:
     """ReLU whose backward keeps only the 1-bit mask y > 0 (exact gradient)."""
     return _ReLU.apply(x)
