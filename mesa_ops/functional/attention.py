@@ -250,6 +250,11 @@ class _SDPA(torch.autograd.Function):
                 if gbias is not None:  # (H, N, M) with a window mask, else (B, H, N, M)
                     gbias = gbias.unsqueeze(0) if gbias.dim() < bias.dim() else gbias
                     gbias = gbias.sum_to_size(bias.shape)
+            # softmax is invariant to a shift of a row of logits, so exact's dK sums to zero over
+            # the keys of each (batch, head) (a key bias gets no gradient); the stored q, k, v and
+            # the forward's logsumexp break that by the packing error: its projection taken out
+            # (the rerun's dK keeps it already, up to rounding; issue 49)
+            gk = gk - gk.mean(dim=-2, keepdim=True)
             # (the token-layout tensors restored: the head views carry no buffer)
             for t in items[:4]:
                 if getattr(t, "_mesa_ws", None) is not None:
