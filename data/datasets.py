@@ -1,4 +1,4 @@
-"""The classification data sets: ImageNet, CIFAR-100, DIGITS (scikit-learn's), FAKE.
+"""The classification data sets: ImageNet, any ImageFolder, CIFAR-100, DIGITS (scikit-learn's), FAKE.
 
 ``build_dataset(is_train, args) -> (dataset, num_classes)`` yields ``(image (3, S, S) float, label)``
 pairs through :func:`data.transforms.build_transform`. Nothing is ever downloaded.
@@ -12,6 +12,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets
 
+from .images import CheckedImageFolder
 from .transforms import build_transform
 
 __all__ = ["DATASETS", "DatasetError", "DigitsDataset", "build_dataset", "dataset_defaults", "digits_split"]
@@ -28,6 +29,7 @@ DATASETS = {
     "CIFAR100": (100, 224, 0.5, 4),
     "DIGITS": (10, 32, 0.0, 0),  # not mirror-symmetric; a shift of a 8x8 digit moves whole strokes
     "FAKE": (10, 224, 0.5, 4),
+    "FOLDER": (None, 224, 0.5, 4),  # any ImageFolder: the class count is the folder's
 }
 _ALIASES = {"CIFAR": "CIFAR100", "IMAGENET": "IMNET"}
 
@@ -101,14 +103,19 @@ def _require_path(args, name: str) -> str:
     return os.path.expanduser(str(root))
 
 
-def _imagenet(root: str, is_train: bool, transform):
+FOLDER_LAYOUT = ("expected an ImageFolder: {root}/train/<class>/<image> ... and {root}/val/<class>/<image> ... "
+                 "(the same class folders in both)")
+
+
+def _image_folder(root: str, is_train: bool, transform, args, layout: str):
     split = os.path.join(root, "train" if is_train else "val")
     if not os.path.isdir(split):
-        raise DatasetError(f"ImageNet folder {split} not found; " + IMNET_LAYOUT.format(root=root))
+        raise DatasetError(f"folder {split} not found; " + layout.format(root=root))
     try:
-        return datasets.ImageFolder(split, transform=transform)
+        return CheckedImageFolder(split, transform=transform, strict=bool(getattr(args, "strict_data", False)),
+                                  skip_log=getattr(args, "skip_log", None))
     except (FileNotFoundError, RuntimeError) as exc:
-        raise DatasetError(f"{split}: {exc}; " + IMNET_LAYOUT.format(root=root)) from exc
+        raise DatasetError(f"{split}: {exc}; " + layout.format(root=root)) from exc
 
 
 def _cifar100(root: str, is_train: bool, transform):
@@ -122,17 +129,23 @@ def _cifar100(root: str, is_train: bool, transform):
 def build_dataset(is_train: bool, args):
     """(dataset, num_classes) for ``args.data_set`` (see the package docstring).
 
-    Reads ``args.data_set``, ``args.data_path`` (IMNET, CIFAR100), ``args.input_size``, the
+    Reads ``args.data_set``, ``args.data_path`` (IMNET, FOLDER, CIFAR100), ``args.input_size``,
+    ``args.strict_data`` and ``args.skip_log`` (image folders: data.images), the
     augmentation arguments of :func:`data.transforms.build_transform`, and for FAKE
     ``args.fake_size`` (training images; validation gets a quarter, at least 16)."""
     name = canonical_name(args.data_set)
     d = dataset_defaults(name)
-    transform = build_transform(is_train, args, hflip=d["hflip"], crop_padding=d["crop_padding"])
+    transform = build_transform(is_train, args, hflip=d["hflip"], crop_padding=d["crop_padding"],
+                                native=name not in ("IMNET", "FOLDER"))
     if name == "IMNET":
-        ds = _imagenet(_require_path(args, name), is_train, transform)
+        ds = _image_folder(_require_path(args, name), is_train, transform, args, IMNET_LAYOUT)
         if len(ds.classes) != d["num_classes"]:
-            raise DatasetError(f"{ds.root}: found {len(ds.classes)} class folders, expected 1000; "
+            raise DatasetError(f"{ds.root}: found {len(ds.classes)} class folders, expected 1000 (for a "
+                               "data set of your own use --data-set FOLDER); "
                                + IMNET_LAYOUT.format(root=_require_path(args, name)))
+    elif name == "FOLDER":
+        ds = _image_folder(_require_path(args, name), is_train, transform, args, FOLDER_LAYOUT)
+        return ds, len(ds.classes)
     elif name == "CIFAR100":
         ds = _cifar100(_require_path(args, name), is_train, transform)
     elif name == "DIGITS":

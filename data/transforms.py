@@ -1,9 +1,10 @@
 """Image transforms, as DeiT's ``build_transform``: timm's ``create_transform`` for training
 (RandAugment, color jitter, random erasing), resize + center crop for evaluation.
 
-Images of 32 px or less (CIFAR, DIGITS) are not resized: training replaces timm's random-resized
-crop by ``RandomCrop(size, padding=4)`` (DIGITS: no crop) and evaluation only normalizes, as DeiT
-does.
+Data sets whose images are stored at 32 px or less (CIFAR, DIGITS) are not resized at such
+input sizes: training replaces timm's random-resized crop by ``RandomCrop(size, padding=4)``
+(DIGITS: no crop) and evaluation only normalizes, as DeiT does. Image folders (``native=False``:
+images of any size) are always resized, at any input size.
 """
 from __future__ import annotations
 
@@ -42,14 +43,15 @@ def fix_posterize(t):
     return t
 
 
-def build_transform(is_train: bool, args, hflip: float = 0.5, crop_padding: int = 4):
+def build_transform(is_train: bool, args, hflip: float = 0.5, crop_padding: int = 4, native: bool = True):
     """Transform PIL image -> normalized (3, S, S) float tensor, S = ``args.input_size``.
 
     Reads ``args.input_size, color_jitter, aa, train_interpolation, reprob, remode, recount,
     eval_crop_ratio``. ``hflip``: horizontal flip probability (0 for digits); ``crop_padding``:
-    of the random crop of images of <= 32 px (0: no crop)."""
+    of the random crop of images of <= 32 px (0: no crop); ``native``: the images are stored at
+    the input size (CIFAR, DIGITS, FAKE), else (image folders) of any size."""
     size = int(args.input_size)
-    resize_im = size > 32
+    resize_im = size > 32 or not native
     if is_train:
         aa = None if args.aa in (None, "", "none", "None") else args.aa
         t = create_transform(input_size=size, is_training=True, color_jitter=args.color_jitter or None,

@@ -13,7 +13,7 @@ from timm.utils import ParseKwargs
 
 __all__ = ["args_to_dict", "get_args_parser", "parse_args"]
 
-DATA_SETS = ("IMNET", "CIFAR100", "CIFAR", "DIGITS", "FAKE")
+DATA_SETS = ("IMNET", "FOLDER", "CIFAR100", "CIFAR", "DIGITS", "FAKE")
 
 
 class _Parser:
@@ -137,8 +137,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     g.add("--mixup-mode", default="batch", choices=("batch", "pair", "elem"))
 
     g = _Parser(parser.add_argument_group("data"))
-    g.add("--data-path", default=None, help="data set root (IMNET, CIFAR100)")
-    g.add("--data-set", default="IMNET", type=str.upper, choices=DATA_SETS)
+    g.add("--data-path", default=None, help="data set root (IMNET, FOLDER, CIFAR100)")
+    g.add("--data-set", default="IMNET", type=str.upper, choices=DATA_SETS,
+          help="FOLDER: any ImageFolder (DATA_PATH/train/<class>/..., DATA_PATH/val/<class>/...)")
+    g.add("--strict-data", action="store_true",
+          help="an unreadable image is an error naming it (default: skipped with a warning, counted)")
     g.add("--fake-size", type=int, default=1024, help="FAKE: training images (validation: a quarter)")
     g.add("--eval-crop-ratio", type=float, default=0.875)
     g.add("--num-workers", type=int, default=10)

@@ -105,9 +105,12 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
         t0 = time.perf_counter()
         meter = (ms.SavedActivationMeter(meter_model or model, module_hooks=not compiled) if i == measure_at
                  else contextlib.nullcontext())
-        with meter, autocast(amp, device):
-            outputs = model(samples)
-            loss = _loss(criterion, outputs, targets)
+        try:
+            with meter, autocast(amp, device):
+                outputs = model(samples)
+                loss = _loss(criterion, outputs, targets)
+        except FloatingPointError as exc:  # (Mesa's non-finite check: named as exact's loss check is)
+            raise TrainingError(f"non-finite values at epoch {epoch}, step {i}: {exc}; stopping") from exc
         if i == measure_at:
             saved = meter.total_bytes / MiB
             if on_first_step is not None:
@@ -117,8 +120,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
             raise TrainingError(f"loss is {loss_value} at epoch {epoch}, step {i}; stopping")
         optimizer.zero_grad(set_to_none=True)
         second_order = getattr(optimizer, "is_second_order", False)
-        loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters(),
-                    create_graph=second_order)
+        try:
+            loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters(),
+                        create_graph=second_order)
+        except FloatingPointError as exc:
+            raise TrainingError(f"non-finite values at epoch {epoch}, step {i}: {exc}; stopping") from exc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if compile_step and i == 0:
@@ -150,25 +156,37 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
 
 @torch.no_grad()
 def evaluate(data_loader, model, device, amp: str = "none", num_classes: int = 1000, print_freq: int = 10,
-             use_tqdm: bool = False, quiet: bool = False, summary: bool = True) -> dict:
+             use_tqdm: bool = False, quiet: bool = False, summary: bool = True, where: str = "") -> dict:
     """Top-1 / top-5 accuracy (%) and cross-entropy over ``data_loader``; prints DeiT's line
-    ``* Acc@1 X Acc@5 Y loss Z`` (``quiet``: only that line; ``summary`` False: not that line either)."""
+    ``* Acc@1 X Acc@5 Y loss Z`` (``quiet``: only that line; ``summary`` False: not that line either).
+    Images whose logits are not all finite make it a :class:`TrainingError` naming their count and
+    ``where`` (e.g. 'epoch 3'): an accuracy over them would be silently wrong."""
     criterion = torch.nn.CrossEntropyLoss()
     ml = MetricLogger(device=device)
     model.eval()
     k = min(5, num_classes)
+    bad = torch.zeros((), dtype=torch.int64, device=device)
     for images, target in ml.log_every(data_loader, print_freq, "Test:", use_tqdm=use_tqdm, quiet=quiet):
         images = images.to(device, non_blocking=True)
         target = target.to(device, non_blocking=True)
         with autocast(amp, device):
             output = model(images)
             loss = criterion(output, target)
+        bad += (~torch.isfinite(output.float())).flatten(1).any(dim=1).sum()
         acc1, acc5 = accuracy(output.float(), target, topk=(1, k))
         n = images.shape[0]
         ml.meters["loss"].update(loss.item(), n=n)
         ml.meters["acc1"].update(acc1.item(), n=n)
         ml.meters["acc5"].update(acc5.item(), n=n)
     ml.synchronize_between_processes()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(bad)
+    n_bad = int(bad)
+    if n_bad or not math.isfinite(ml.meters["loss"].global_avg):
+        total = ml.meters["acc1"].count
+        raise TrainingError(f"validation{' at ' + where if where else ''}: {n_bad} of {total} images gave "
+                            f"non-finite logits (loss {ml.meters['loss'].global_avg}); the model's weights or the "
+                            "validation data hold non-finite values")
     if summary:
         log(f"* Acc@1 {ml.meters['acc1'].global_avg:.3f} Acc@5 {ml.meters['acc5'].global_avg:.3f} "
             f"loss {ml.meters['loss'].global_avg:.3f}")

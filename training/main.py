@@ -28,6 +28,8 @@ from . import fsdp, memory
 from .args import args_to_dict
 from .distributed import all_gather_object, barrier, cleanup, get_rank, init_distributed_mode, is_main_process
 from .engine import evaluate, make_scaler, train_one_epoch, train_throughput
+from .errors import UsageError
+from .runfolder import check_classes, check_patch_size, lock_folder, remove_temporaries
 from .logs import JsonLog, TensorBoard, log, save_args
 
 __all__ = ["RUN_FILES", "UsageError", "build_model", "build_optimizer", "main", "resolve_args", "run_files"]
@@ -35,10 +37,6 @@ __all__ = ["RUN_FILES", "UsageError", "build_model", "build_optimizer", "main", 
 # what a training run writes into --output-dir (glob patterns)
 RUN_FILES = ("checkpoint.pth", "best_checkpoint.pth", "log.txt", "args.json", "events.out.tfevents.*",
              "rank*_state.pth", "memory_plan.txt")
-
-
-class UsageError(ValueError):
-    """Arguments that cannot work (unknown model, missing file, impossible combination)."""
 
 
 def resolve_args(args):
@@ -356,8 +354,14 @@ def _run(args, dist_info) -> dict:
                           else args.device)
     args.world_size = dist_info.world_size
     _seed(args.seed + dist_info.rank)
+    lock = None
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
+        if not args.eval and not args.train_throughput:  # (a run writes there: one at a time)
+            lock = lock_folder(args.output_dir)
+            left = remove_temporaries(args.output_dir)
+            if left:
+                log(f"removed {len(left)} temporary file(s) of an interrupted write: {', '.join(left)}")
         if args.overwrite and not args.resume and not args.eval and not args.train_throughput:
             removed = _clear_output_dir(args.output_dir, keep=(args.ms_plan, args.ms_policy))
             if removed:
@@ -366,13 +370,18 @@ def _run(args, dist_info) -> dict:
     log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
         f"device {device}, amp {args.amp}")
 
+    args.skip_log = os.path.join(args.output_dir, "skipped_images.txt") if args.output_dir else None
+    if args.skip_log and is_main_process() and os.path.exists(args.skip_log) and not args.resume:
+        os.unlink(args.skip_log)
     val_set, num_classes = data.build_dataset(False, args)
     if not args.eval:  # evaluation builds no training split
         train_set, _ = data.build_dataset(True, args)
+        check_classes(train_set, val_set)
 
     if getattr(args, "scale_model", None):
         _scale_model(args, num_classes)
     model = build_model(args, num_classes).to(device)
+    check_patch_size(model, int(args.input_size), args.model)
     plan_info = None
     if args.memory_budget_gb is not None:
         try:
@@ -404,6 +413,7 @@ def _run(args, dist_info) -> dict:
         log(f"Accuracy of the network on the {len(val_set)} test images: {stats['acc1']:.1f}%")
         if args.model_ema_eval:
             stats.update(_evaluate_checkpoint_ema(args, obj, model, loader_val, device, num_classes, len(val_set)))
+        _report_skipped(args)
         return stats
 
     model_ema = None
@@ -525,7 +535,7 @@ def _run(args, dist_info) -> dict:
         lr_scheduler.step(epoch + 1)
         test_stats = evaluate(loader_val, model_without_ddp, device, args.amp, num_classes,
                               print_freq=args.print_freq * 10, quiet=args.tqdm or args.epoch_lines,
-                              summary=not args.epoch_lines)
+                              summary=not args.epoch_lines, where=f"epoch {epoch}")
         if model_ema is not None and args.model_ema_eval:
             ema_stats = _evaluate_ema(model_ema, model_without_ddp, loader_val, device, args, num_classes,
                                       len(val_set), summary=not args.epoch_lines)
@@ -545,15 +555,16 @@ def _run(args, dist_info) -> dict:
             extra = {"lr_scheduler": lr_scheduler.state_dict(), "scaler": loss_scaler.state_dict(),
                      "epoch": int(epoch), "max_accuracy": float(max_accuracy), "args": args_dict, "rng": rng,
                      "meta": ckpt._meta(model_without_ddp)}
-            for name in ("checkpoint",) + (("best_checkpoint",) if best else ()):
+            # (the best first: the checkpoint that records the new best accuracy never precedes it)
+            for name in (("best_checkpoint",) if best else ()) + ("checkpoint",):
                 fsdp.save_sharded(os.path.join(args.output_dir, name), model, optimizer, extra, model_ema)
         elif args.output_dir and is_main_process():
             obj = ckpt.build_checkpoint(model_without_ddp, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                         scaler=loss_scaler, model_ema=model_ema, epoch=epoch,
                                         max_accuracy=max_accuracy, args=args_dict, rng=rng)
-            ckpt.atomic_save(obj, os.path.join(args.output_dir, "checkpoint.pth"))
-            if best:
+            if best:  # (first: a kill between the two never leaves a record of a best that is lost)
                 ckpt.atomic_save(obj, os.path.join(args.output_dir, "best_checkpoint.pth"))
+            ckpt.atomic_save(obj, os.path.join(args.output_dir, "checkpoint.pth"))
         stats = {**{f"train_{k}": v for k, v in train_stats.items()},
                  **{f"test_{k}": v for k, v in test_stats.items()},
                  "epoch": epoch, "n_parameters": n_params, "max_accuracy": max_accuracy}
@@ -577,4 +588,12 @@ def _run(args, dist_info) -> dict:
         state = models.checkpoint.add_checksum({"model": state, "rank": get_rank()})
         ckpt.atomic_save(state, os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
+    _report_skipped(args)
+    del lock
     return stats
+
+
+def _report_skipped(args) -> None:
+    skipped = data.images.read_skipped(args.skip_log)
+    if skipped and is_main_process():
+        log(f"skipped {len(skipped)} unreadable image(s) (listed in {args.skip_log}), first: {skipped[0]}")

@@ -1,0 +1,153 @@
+"""Issue 50 (part): any ImageFolder, bad images, image modes, one run per folder, temporary files
+of killed writes, the best checkpoint written first, input sizes the patch does not divide,
+non-finite validation and Mesa's non-finite stop with the epoch and step."""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import mesa_ops as ms
+import training
+from data.images import load_image
+from tests.test_train import TINY, TRAIN_PY, _cli_error, run  # noqa: F401  (fixtures below)
+from tests.test_train import _no_env, _one_thread  # noqa: F401
+
+CLASSES = ("ant", "bee", "cat")
+
+
+def _folder(root, bad=True):
+    """root/{train,val}/{ant,bee,cat}: small images of several modes and sizes, and in train a
+    truncated JPEG, a zero-byte file and a text file named .JPEG."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("val", 2)):
+        for c, name in enumerate(CLASSES):
+            d = root / split / name
+            d.mkdir(parents=True)
+            for i in range(n):
+                arr = (rng.random((20 + 3 * i, 28, 3)) * 80 + 60 * c).astype(np.uint8)
+                img = Image.fromarray(arr)
+                img = (img, img.convert("L"), img.convert("RGBA"), img.convert("P"))[i % 4]
+                img.save(d / f"{i}.png")
+    if bad:
+        t = root / "train" / "ant"
+        Image.fromarray((rng.random((40, 40, 3)) * 255).astype(np.uint8)).save(t / "full.jpg", quality=90)
+        data = (t / "full.jpg").read_bytes()
+        (t / "truncated.jpg").write_bytes(data[: len(data) // 2])
+        os.unlink(t / "full.jpg")
+        (t / "empty.JPEG").write_bytes(b"")
+        (t / "text.JPEG").write_text("not an image")
+    return root
+
+
+def _args(root, out, *extra):
+    return TINY + ["--data-set", "FOLDER", "--data-path", root, "--batch-size", "6", "--epochs", "1",
+                   "--output-dir", out, "--warmup-epochs", "0", *extra]
+
+
+def test_any_image_folder_trains_and_skips_bad_images(tmp_path, capsys):
+    root = _folder(tmp_path / "data")
+    out = tmp_path / "out"
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        stats = run(_args(root, out))
+    assert "test_acc1" in stats
+    said = {str(r.message) for r in rec if "skipping unreadable image" in str(r.message)}
+    assert {os.path.basename(m.split(" (")[0].split()[-1]) for m in said} == {"truncated.jpg", "empty.JPEG",
+                                                                              "text.JPEG"}
+    text = capsys.readouterr().out
+    assert "skipped 3 unreadable image(s)" in text and "skipped_images.txt" in text
+    # the class count is the folders': a 3-way head
+    ckpt = torch.load(out / "checkpoint.pth", weights_only=True)
+    assert ckpt["model"]["head.weight"].shape[0] == len(CLASSES)
+
+
+def test_strict_data_names_the_first_bad_file(tmp_path):
+    root = _folder(tmp_path / "data")
+    msg = _cli_error(_args(root, tmp_path / "out", "--strict-data"))
+    assert "unreadable image" in msg and str(root / "train" / "ant") in msg
+
+
+def test_folders_with_other_classes_and_imagenet_hint(tmp_path):
+    root = _folder(tmp_path / "data", bad=False)
+    (root / "val" / "dog").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "val" / "dog" / "0.png")
+    msg = _cli_error(_args(root, tmp_path / "out"))
+    assert "hold different classes" in msg and "only in val: dog" in msg
+    msg = _cli_error(TINY + ["--data-set", "IMNET", "--data-path", root])
+    assert "expected 1000" in msg and "--data-set FOLDER" in msg
+
+
+def test_image_modes_keep_their_content(tmp_path):
+    """16-bit grayscale is scaled, not clipped to white; transparency is composited over white,
+    not dropped; a palette image with a transparent colour too."""
+    ramp = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(ramp).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    g = np.asarray(load_image(str(tmp_path / "g16.png")))
+    assert g.shape == (64, 64, 3) and g.min() == 0 and g.max() >= 250 and len(np.unique(g)) > 200
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[..., 0] = 200          # red under a transparent alpha
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "clear.png")
+    assert np.asarray(load_image(str(tmp_path / "clear.png"))).min() == 255  # white, not red
+
+
+def test_input_size_the_patch_does_not_divide_is_refused():
+    argv = [a if a != "32" else "36" for a in TINY] + ["--data-set", "FAKE", "--fake-size", "16"]
+    msg = _cli_error(argv)
+    assert "--input-size 36 is not a multiple of" in msg and "patch size 8" in msg
+    assert "use --input-size 32 or 40" in msg
+
+
+def test_one_live_run_per_folder_and_temporaries_removed(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".tmp_checkpoint.pth.123.abcd").write_bytes(b"x" * 100)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from training.runfolder import lock_folder; f = lock_folder(sys.argv[1]); "
+        "print('locked', flush=True); time.sleep(60)"), str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=str(TRAIN_PY.parents[1]),
+        env={**os.environ, "PYTHONPATH": str(TRAIN_PY.parents[1])})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = TINY + ["--data-set", "FAKE", "--fake-size", "16", "--batch-size", "8", "--epochs", "1",
+                       "--output-dir", out]
+        msg = _cli_error(argv)
+        assert "is in use by a live run (PID" in msg and str(holder.pid) in msg
+    finally:
+        holder.kill()
+        holder.wait()
+    run(argv)  # the holder died: its lock went with it
+    assert not list(out.glob(".tmp_*"))
+    assert "removed 1 temporary file(s)" in capsys.readouterr().out
+
+
+def test_non_finite_validation_is_an_error_naming_where():
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(8, 4)
+    x[5, 1] = float("nan")
+    loader = [(x[:4], torch.zeros(4, dtype=torch.long)), (x[4:], torch.zeros(4, dtype=torch.long))]
+    with pytest.raises(training.TrainingError, match=r"validation at epoch 3: 1 of 8 images gave non-finite"):
+        training.evaluate(loader, model, torch.device("cpu"), num_classes=3, where="epoch 3")
+
+
+def test_mesa_non_finite_stop_names_epoch_and_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ms.Linear(4, 8), ms.GELU(), ms.Linear(8, 3))
+    ms.policy.set_mesa(model, True, 8)
+    x = torch.randn(12, 4)
+    x[9, 0] = float("inf")
+    loader = [(x[i:i + 4], torch.zeros(4, dtype=torch.long)) for i in range(0, 12, 4)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = training.engine.make_scaler("none", torch.device("cpu"))
+    with pytest.raises(training.TrainingError, match=r"non-finite values at epoch 1, step 2: "):
+        training.train_one_epoch(model, torch.nn.CrossEntropyLoss(), loader, opt, torch.device("cpu"), 1,
+                                 scaler, "none", print_freq=100, quiet=True)
+    assert math.isfinite(float(model[0].weight.sum()))
