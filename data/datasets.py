@@ -107,10 +107,10 @@ FOLDER_LAYOUT = ("expected an ImageFolder: {root}/train/<class>/<image> ... and 
                  "(the same class folders in both)")
 
 
-def _image_folder(root: str, is_train: bool, transform, args, layout: str):
+def _image_folder(root: str, is_train: bool, transform, args, layout: str, what: str):
     split = os.path.join(root, "train" if is_train else "val")
     if not os.path.isdir(split):
-        raise DatasetError(f"folder {split} not found; " + layout.format(root=root))
+        raise DatasetError(f"{what} folder {split} not found; " + layout.format(root=root))
     try:
         return CheckedImageFolder(split, transform=transform, strict=bool(getattr(args, "strict_data", False)),
                                   skip_log=getattr(args, "skip_log", None))
@@ -138,13 +138,13 @@ def build_dataset(is_train: bool, args):
     transform = build_transform(is_train, args, hflip=d["hflip"], crop_padding=d["crop_padding"],
                                 native=name not in ("IMNET", "FOLDER"))
     if name == "IMNET":
-        ds = _image_folder(_require_path(args, name), is_train, transform, args, IMNET_LAYOUT)
+        ds = _image_folder(_require_path(args, name), is_train, transform, args, IMNET_LAYOUT, "ImageNet")
         if len(ds.classes) != d["num_classes"]:
             raise DatasetError(f"{ds.root}: found {len(ds.classes)} class folders, expected 1000 (for a "
                                "data set of your own use --data-set FOLDER); "
                                + IMNET_LAYOUT.format(root=_require_path(args, name)))
     elif name == "FOLDER":
-        ds = _image_folder(_require_path(args, name), is_train, transform, args, FOLDER_LAYOUT)
+        ds = _image_folder(_require_path(args, name), is_train, transform, args, FOLDER_LAYOUT, "image")
         return ds, len(ds.classes)
     elif name == "CIFAR100":
         ds = _cifar100(_require_path(args, name), is_train, transform)
