@@ -151,3 +151,34 @@ def test_mesa_non_finite_stop_names_epoch_and_step():
         training.train_one_epoch(model, torch.nn.CrossEntropyLoss(), loader, opt, torch.device("cpu"), 1,
                                  scaler, "none", print_freq=100, quiet=True)
     assert math.isfinite(float(model[0].weight.sum()))
+
+
+def _table_cases(tmp):
+    """(argv, what the one line must say) for errors a user causes with arguments, files, folders."""
+    root = _folder(tmp / "data", bad=False)
+    empty = tmp / "empty"
+    (empty / "train").mkdir(parents=True)
+    (empty / "val").mkdir()
+    notckpt = tmp / "notckpt.pth"
+    notckpt.write_text("hello")
+    badpolicy = tmp / "policy.txt"
+    badpolicy.write_text("on fc:\n    bits: eleven\n")
+    fake = ["--data-set", "FAKE", "--fake-size", "16", "--batch-size", "8"]
+    return [
+        (TINY + ["--data-set", "FOLDER"], "needs --data-path"),
+        (TINY + ["--data-set", "FOLDER", "--data-path", tmp / "nowhere"], "not found"),
+        (TINY + ["--data-set", "FOLDER", "--data-path", empty], str(empty / "train")),
+        (TINY + ["--data-set", "IMNET", "--data-path", root], "expected 1000"),
+        (TINY + fake + ["--resume", tmp / "missing.pth"], "missing.pth"),
+        (TINY + fake + ["--eval", "--resume", notckpt], "notckpt.pth"),
+        (TINY + fake + ["--ms-policy", badpolicy], "policy.txt"),
+        ([a if a != "32" else "30" for a in TINY] + fake, "use --input-size 24 or 32"),
+        (["--model", "deit_nope"] + fake, "unknown model 'deit_nope'"),
+    ]
+
+
+def test_user_errors_are_one_line_each(tmp_path):
+    """Item 5: a table of inputs a user can get wrong, each answered by one line naming it."""
+    for argv, says in _table_cases(tmp_path):
+        msg = _cli_error(argv)
+        assert says in msg, (argv, msg)
