@@ -2,7 +2,7 @@
 files, and image modes whose plain RGB conversion loses the content.
 
 * :func:`load_image`: a file as an RGB PIL image, decoded in full (a truncated file fails here,
-  not later inside a transform): 16-bit and 32-bit integer grayscale scaled to 8 bits (PIL's
+  not later inside a transform): 16-bit integer grayscale scaled to 8 bits by one scale (PIL's
   ``convert('RGB')`` clips them: a 16-bit scan turns white), float images scaled from [0, 1],
   transparency composited over white (dropping alpha would show whatever colour transparent
   pixels hold), palette, CMYK, bilevel and the rest converted by PIL.
@@ -14,6 +14,7 @@ files, and image modes whose plain RGB conversion loses the content.
 """
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 
@@ -23,17 +24,18 @@ from torchvision import datasets
 
 __all__ = ["CheckedImageFolder", "load_image", "read_skipped"]
 
+# errors of the system, not of the file: raised, never taken for a bad image
+_TRANSIENT = {errno.EIO, errno.ESTALE, errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN, errno.ENOMEM}
 # what a broken image file raises while PIL opens or decodes it
 _BAD_IMAGE = (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 
 def _to_8bit(img: Image.Image) -> Image.Image:
     arr = np.asarray(img)
-    if img.mode.startswith("I;16"):
-        arr = arr.astype(np.float64) / 257.0           # 0..65535 -> 0..255
-    elif img.mode == "I":
+    if img.mode.startswith("I"):  # 16-bit (PNG opens it as I;16, TIFF as I): 0..65535 -> 0..255,
+        # one scale for every image (an 8-bit range stored in I stays as it is)
         top = float(arr.max()) if arr.size else 0.0
-        arr = arr.astype(np.float64) * (255.0 / top if top > 255 else 1.0)
+        arr = arr.astype(np.float64) / (257.0 if img.mode.startswith("I;16") or top > 255 else 1.0)
     else:  # "F"
         top = float(np.nanmax(arr)) if arr.size else 0.0
         arr = arr.astype(np.float64) * (255.0 if top <= 1.0 else 1.0)
@@ -91,6 +93,8 @@ class CheckedImageFolder(datasets.ImageFolder):
             try:
                 img = self.loader(path)
             except _BAD_IMAGE as exc:
+                if isinstance(exc, OSError) and exc.errno in _TRANSIENT:
+                    raise  # (the system's trouble, not the file's: retrying may work)
                 self._skip(path, exc)
                 continue
             if self.transform is not None:

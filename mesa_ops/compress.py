@@ -303,7 +303,7 @@ def _apply_policy(model: nn.Module, policy) -> str:
 
 def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inputs=None,
              return_report: bool = False, warn: bool = True, verify=None, verify_threshold: float = 0.05,
-             leave_exact: bool = False):
+             leave_exact: bool = False, verify_noise_threshold: float = 0.5):
     """Make ``model`` train with Mesa, in place; returns the model (and the report).
 
     Args:
@@ -321,8 +321,10 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
         warn: emit a warning listing the modules left uncompressed.
         verify: a batch (tensor or tuple of inputs): Mesa's gradients on it are checked against
             exact ones (:func:`mesa_ops.verify.verify`, ``report.verify``); parameters whose
-            relative error is above ``verify_threshold`` are named with the stored copy causing
-            it, in the warning too; ``leave_exact=True`` switches those layers to exact.
+            error is above ``verify_noise_threshold`` times the minibatch noise (batches of 4 or
+            more; smaller ones: relative error above ``verify_threshold``) are named with the
+            stored copy causing it, in the warning too; ``leave_exact=True`` switches those
+            layers to exact.
 
     Weights are the same tensor objects; outputs in eval mode and with Mesa off are those of the
     original forward; in training with Mesa on the forward is the exact explicit attention
@@ -330,11 +332,13 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compress: expected an nn.Module, got {type(model).__name__}")
+    hf_sdpa = next((bool(type(m)._supports_sdpa) for m in model.modules() if hasattr(type(m), "_supports_sdpa")),
+                   True)  # (transformers: whether the model supports its sdpa attention)
     for _, m in list(model.named_modules()):
         if _is_timm_attention(m) and not isinstance(m, MesaAttentionMixin):
             _compress_attention(m)
         else:  # nn.MultiheadAttention, transformers' attention modules (mesa_ops.zoo)
-            compress_zoo_attention(m)
+            compress_zoo_attention(m, hf_sdpa)
     _convert_layers(model, quant_groups)
     dropouts = _convert_dropouts(model)
     convert_products(model, _groups_resolver(model, quant_groups))  # x * gamma inline (products.py)
@@ -362,7 +366,8 @@ def compress(model: nn.Module, policy="mesa8", quant_groups="heads", example_inp
     if verify is not None:
         from .verify import verify as check
 
-        report.verify = check(model, verify, threshold=verify_threshold, leave_exact=leave_exact)
+        report.verify = check(model, verify, threshold=verify_threshold, leave_exact=leave_exact,
+                              noise_threshold=verify_noise_threshold)
     if warn and (report.unsupported or report.groups or (report.verify is not None and report.verify.flagged)):
         warnings.warn(report.summary(), stacklevel=2)
     return (model, report) if return_report else model

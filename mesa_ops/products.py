@@ -19,11 +19,11 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .attention_forms import _MULS
 from .layers import MESA_LAYERS, LayerScaleBase
 
 __all__ = ["ProductScale", "convert_products"]
 
-_MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
 
 
 class ProductScale(LayerScaleBase, nn.Module):

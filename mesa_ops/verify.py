@@ -51,6 +51,7 @@ class VerifyReport:
     vs_noise: dict = field(default_factory=dict)    # parameter -> Mesa's error / that noise
     noise_threshold: float | None = None            # the flag criterion when noise was measured
     splits: int = 0                                 # parts of the batch the noise came from
+    noise_note: str = ""                            # why the noise was not measured, if it was not
     left_exact: list = field(default_factory=list)  # Mesa layers switched to exact (leave_exact)
     after: dict = field(default_factory=dict)       # errors once those are exact
 
@@ -70,7 +71,8 @@ class VerifyReport:
             lines += [f"  {p}: {r:.2f}x the minibatch noise ({100 * self.errors.get(p, 0.0):.1f}% relative), "
                       f"from {c or '(no single Mesa layer)'}" for p, r, c in self.flagged]
         else:
-            lines = [f"{head}; {len(self.flagged)} above {100 * self.threshold:g}%"]
+            lines = [f"{head}; {len(self.flagged)} above {100 * self.threshold:g}%"
+                     + (f" ({self.noise_note})" if self.noise_note else "")]
             lines += [f"  {p}: {100 * e:.1f}%, from {c or '(no single Mesa layer)'}" for p, e, c in self.flagged]
         if self.left_exact:
             n, e = self.worst
@@ -244,7 +246,9 @@ def verify(model: nn.Module, example_inputs, loss_fn=None, draws: int = 3, thres
     Args:
         model: a model with Mesa layers (``ms.compress``, a policy, this repo's models).
         example_inputs: a tensor or a tuple of positional inputs, e.g. a (B, 3, H, W) batch.
-        loss_fn: ``loss_fn(output) -> scalar`` (default: a fixed random projection of the output).
+        loss_fn: ``loss_fn(output) -> scalar`` (default: a fixed random projection of the output);
+            it is also called on the outputs of parts of the batch (the minibatch noise): one that
+            cannot take them (labels of the whole batch closed over) falls back to ``threshold``.
         draws: Mesa passes (each a different stochastic rounding).
         threshold: relative gradient error above which a parameter is flagged when the
             minibatch noise cannot be measured (a batch of one).
@@ -273,7 +277,11 @@ def verify(model: nn.Module, example_inputs, loss_fn=None, draws: int = 3, thres
             set_enable(off=[m for _, m in layers])  # the exact pass: every Mesa layer off
             exact = _grads(model, inputs, loss_fn, seed)
             norms = _norms(exact)
-            noise = _minibatch_noise(model, inputs, loss_fn, default_loss, exact, seed, splits)
+            try:
+                noise = _minibatch_noise(model, inputs, loss_fn, default_loss, exact, seed, splits)
+            except (ValueError, RuntimeError, IndexError, TypeError) as exc:  # a loss_fn of the whole batch
+                noise, report.noise_note = {}, (f"no minibatch noise: loss_fn failed on a part of the batch "
+                                                f"({type(exc).__name__}); judged by relative error")
             noise = {n: v for n, v in noise.items() if n in norms}
             limit = noise_threshold if noise else threshold
             scale = noise or norms  # the flag criterion's denominator

@@ -46,14 +46,22 @@ def is_hf_attention(m: nn.Module) -> bool:
 
 
 def _dropout_of(m: nn.Module) -> float:
-    """The attention-probability dropout a transformers module passes to its attention."""
-    for a in ("attention_dropout", "attn_dropout", "dropout"):
+    """The attention-probability dropout a transformers module passes to its attention: the
+    largest its own attributes name, else its config's (a miss would make the fused path refuse
+    it in the first training step)."""
+    found = []
+    for a in ("attention_dropout", "attn_dropout", "dropout", "dropout_p", "dropout_prob", "attn_drop",
+              "attention_probs_dropout_prob"):
         v = getattr(m, a, None)
         if isinstance(v, nn.Dropout):
-            return float(v.p)
-        if isinstance(v, float):
-            return v
-    return 0.0
+            found.append(float(v.p))
+        elif isinstance(v, float):
+            found.append(v)
+    if not found:
+        cfg = getattr(m, "config", None)
+        found = [v for v in (getattr(cfg, a, None) for a in ("attention_probs_dropout_prob", "attention_dropout",
+                                                            "attn_pdrop")) if isinstance(v, float)]
+    return max(found, default=0.0)
 
 
 _NOTED: set = set()
@@ -194,9 +202,12 @@ class MesaHFAttentionMixin(MesaAttentionMixin):
                 self.__dict__["config"] = config
 
 
-def compress_zoo_attention(m: nn.Module) -> bool:
+def compress_zoo_attention(m: nn.Module, hf_sdpa: bool = True) -> bool:
     """Compress ``m`` if it is an ``nn.MultiheadAttention`` or a transformers attention module
-    (class swapped in place, Mesa ops added); returns whether it was one."""
+    (class swapped in place, Mesa ops added); returns whether it was one. A transformers module
+    is taken only on the eager or sdpa implementation, eager only where the model supports sdpa
+    (``hf_sdpa``: its ``_supports_sdpa``): flash / flex attention prepare masks of their own, and a
+    model without sdpa may pass what sdpa ignores; left alone it is listed as exact."""
     if isinstance(m, MesaAttentionMixin):
         return False
     if isinstance(m, nn.MultiheadAttention):
@@ -208,6 +219,9 @@ def compress_zoo_attention(m: nn.Module) -> bool:
         m.mesa_in_proj.train(m.training)
         return True
     if is_hf_attention(m):
+        impl = getattr(getattr(m, "config", None), "_attn_implementation", None) or "sdpa"
+        if impl not in ("sdpa", "eager") or (impl == "eager" and not hf_sdpa):
+            return False
         _compress_attention(m, MesaHFAttentionMixin, heads_of(m), _dropout_of(m))
         return True
     return False

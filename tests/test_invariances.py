@@ -146,3 +146,38 @@ def test_segformer_decode_head_biases_before_batch_norm():
     assert len(names) == 2
     for n in names:
         assert float(grads[0][n].norm()) < 1e-4 and float(grads[1][n].norm()) < 10 * float(grads[0][n].norm()), n
+
+
+def test_restored_rows_of_zeros_give_zero_gradient_not_nan():
+    """A softmax row whose restored values are all 0 (2 bits, a masked-out query) is left as it
+    is by the renormalisation: finite gradients."""
+    torch.manual_seed(0)
+    sm = ms.Softmax(-1, quant_groups=1)
+    ms.policy.set_mesa(sm, True, 2)
+    x = torch.randn(4, 64, 197)
+    x[:, :, 100:] = float("-inf")
+    x.requires_grad_()
+    y = sm.train()(x)
+    y.backward(torch.randn_like(y))
+    assert torch.isfinite(x.grad).all()
+
+
+def test_masked_keys_keep_exact_zero_gradient():
+    """The fused SDPA's dK is centred over the keys some query attends: a key every query masks
+    out keeps exact's zero gradient (nn.MultiheadAttention, cross attention, padded keys)."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(32, 4, batch_first=True).train()
+    mesa = ms.compress(copy.deepcopy(ref), "mesa8", warn=False).train()
+    q = torch.randn(2, 9, 32)
+    pad = torch.zeros(2, 12, dtype=torch.bool)
+    pad[:, 6:] = True
+    grads = []
+    for model in (ref, mesa):
+        kv = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y, _ = model(q, kv, kv, key_padding_mask=pad, need_weights=False)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+        grads.append(kv.grad)
+    assert float(grads[0][:, 6:].abs().max()) == 0.0 and float(grads[1][:, 6:].abs().max()) == 0.0
+    assert float((grads[1] - grads[0]).norm() / grads[0].norm()) < 0.03

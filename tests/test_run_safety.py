@@ -182,3 +182,30 @@ def test_user_errors_are_one_line_each(tmp_path):
     for argv, says in _table_cases(tmp_path):
         msg = _cli_error(argv)
         assert says in msg, (argv, msg)
+
+
+def test_verify_with_a_loss_of_the_whole_batch_falls_back():
+    """A loss_fn closing over the whole batch's labels cannot take a part of the batch: verify
+    judges by relative error then, and says why."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(ms.Linear(8, 16), ms.GELU(), ms.Linear(16, 3))
+    ms.policy.set_mesa(net, True, 8)
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    rep = ms.verify(net, x, loss_fn=lambda out: torch.nn.functional.cross_entropy(out, y), draws=1)
+    assert rep.noise == {} and "loss_fn failed on a part of the batch" in rep.summary()
+
+
+def test_overlapping_patch_embeddings_take_any_size(tmp_path):
+    """The size check reads a patch embedding that drops a remainder (kernel = stride, no
+    padding) only: timm's PVT-v2 (overlapping, padded) runs at 256 and is not refused; 16-bit
+    grayscale loads alike from PNG (mode I;16) and TIFF (mode I)."""
+    import timm
+
+    from training.runfolder import check_patch_size
+
+    check_patch_size(timm.create_model("pvt_v2_b0"), 256, "pvt_v2_b0")
+    ramp = (np.arange(32 * 32).reshape(32, 32) * 3).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "a.png")
+    Image.fromarray(ramp.astype(np.int32)).save(tmp_path / "a.tif")
+    a, b = (np.asarray(load_image(str(tmp_path / n))) for n in ("a.png", "a.tif"))
+    assert np.array_equal(a, b)

@@ -350,15 +350,23 @@ def main(args) -> dict:
 
 
 def _run(args, dist_info) -> dict:
+    lock = []  # (the output folder's lock, held for the run: closed however it ends)
+    try:
+        return _run_locked(args, dist_info, lock)
+    finally:
+        for f in lock:
+            f.close()
+
+
+def _run_locked(args, dist_info, held: list) -> dict:
     device = torch.device(f"cuda:{dist_info.local_rank}" if args.device == "cuda" and dist_info.distributed
                           else args.device)
     args.world_size = dist_info.world_size
     _seed(args.seed + dist_info.rank)
-    lock = None
     if args.output_dir and is_main_process():
         os.makedirs(args.output_dir, exist_ok=True)
         if not args.eval and not args.train_throughput:  # (a run writes there: one at a time)
-            lock = lock_folder(args.output_dir)
+            held += [f for f in (lock_folder(args.output_dir),) if f is not None]
             left = remove_temporaries(args.output_dir)
             if left:
                 log(f"removed {len(left)} temporary file(s) of an interrupted write: {', '.join(left)}")
@@ -370,7 +378,9 @@ def _run(args, dist_info) -> dict:
     log(f"mesa training: {args.model} on {args.data_set}, {dist_info.world_size} process(es), "
         f"device {device}, amp {args.amp}")
 
-    args.skip_log = os.path.join(args.output_dir, "skipped_images.txt") if args.output_dir else None
+    # (the list of skipped images: kept by a training run, the one writer of its folder)
+    trains = args.output_dir and not args.eval and not args.train_throughput
+    args.skip_log = os.path.join(args.output_dir, "skipped_images.txt") if trains else None
     if args.skip_log and is_main_process() and os.path.exists(args.skip_log) and not args.resume:
         os.unlink(args.skip_log)
     val_set, num_classes = data.build_dataset(False, args)
@@ -589,7 +599,6 @@ def _run(args, dist_info) -> dict:
         ckpt.atomic_save(state, os.path.join(args.output_dir, f"rank{get_rank()}_state.pth"))
     log(f"Training time {datetime.timedelta(seconds=int(time.time() - start))}")
     _report_skipped(args)
-    del lock
     return stats
 
 

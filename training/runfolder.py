@@ -1,9 +1,10 @@
 """A run's folder and inputs kept sane (issue 50).
 
-* :func:`lock_folder`: one live run per ``--output-dir``: an exclusive ``flock`` on
-  ``DIR/.lock`` (the kernel releases it when the process dies, so a killed run never blocks its
-  own resume); a second run is refused with a line naming the first's PID and host. Where the
-  platform has no ``fcntl`` (Windows) there is no lock.
+* :func:`lock_folder`: one live run per ``--output-dir``: an exclusive POSIX lock (``lockf``) on
+  ``DIR/.lock``, released by the kernel when the process dies (so a killed run never blocks its
+  own resume) and not inherited by forked DataLoader workers; a second run is refused with a line
+  naming the first's PID and host. Where the platform has no ``fcntl`` (Windows) or the file
+  system no locks (some NFS / Lustre mounts), there is no lock, and a warning says so.
 * :func:`remove_temporaries`: the ``.tmp_*`` files a write killed midway left (checkpoints are
   written to one and renamed); removed once the lock is held, i.e. when no live run writes them.
 * :func:`check_patch_size`: an input size the patch size does not divide is refused with the
@@ -16,6 +17,9 @@ from __future__ import annotations
 import glob
 import os
 import socket
+import warnings
+
+import torch
 
 from .errors import UsageError
 
@@ -35,13 +39,18 @@ def lock_folder(output_dir: str):
     path = os.path.join(output_dir, LOCK_NAME)
     f = open(path, "a+", encoding="utf-8")
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # (EAGAIN / EACCES: held by a live process)
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
         raise UsageError(f"--output-dir {output_dir} is in use by a live run ({holder}); wait for it to end, "
                          "stop it, or choose another --output-dir") from None
+    except OSError as exc:  # (no locks on this file system: ENOLCK, EOPNOTSUPP, ...)
+        f.close()
+        warnings.warn(f"{output_dir}: cannot lock the folder ({exc}); a second run there would not be refused",
+                      stacklevel=2)
+        return None
     f.seek(0)
     f.truncate()
     f.write(f"PID {os.getpid()} on {socket.gethostname()}\n")
@@ -68,11 +77,17 @@ def remove_temporaries(output_dir: str) -> list[str]:
 
 
 def _patch_size(model) -> int | None:
+    """The patch size of a ViT whose patch embedding is a convolution with kernel = stride and no
+    padding (the one that drops a remainder); None otherwise (overlapping or padded embeddings,
+    dynamic padding: any size works)."""
     pe = getattr(model, "patch_embed", None)
-    p = getattr(pe, "patch_size", None)
-    if isinstance(p, (tuple, list)) and p:
-        return int(p[0]) if all(int(v) == int(p[0]) for v in p) else None
-    return int(p) if isinstance(p, int) else None
+    proj = getattr(pe, "proj", None)
+    if pe is None or getattr(pe, "dynamic_img_pad", False) or not isinstance(proj, torch.nn.Conv2d):
+        return None
+    k, s, pad = tuple(proj.kernel_size), tuple(proj.stride), proj.padding
+    if k != s or s[0] != s[1] or (pad != "valid" and any(int(v) for v in (pad if isinstance(pad, tuple) else (1,)))):
+        return None
+    return int(s[0])
 
 
 def check_patch_size(model, input_size: int, name: str) -> None:

@@ -115,7 +115,9 @@ class _Softmax(torch.autograd.Function):
         (held,) = saved_tensors(ctx, False, 0, ctx.traced)
         # each restored row renormalised to sum to one, as exact's does: the input gradient then
         # sums to zero along dim, so a shift of the logits (a key bias) gets no gradient (issue 49)
-        yh = held / held.sum(ctx.dim, keepdim=True)
+        # (a row restored to all zeros, e.g. masked at 2 bits, stays zero: no 0 / 0)
+        total = held.sum(ctx.dim, keepdim=True)
+        yh = torch.where(total > 0, held / total, held)
         gx = torch._softmax_backward_data(gy.to(ctx.cdt), yh, ctx.dim, ctx.cdt)
         release(held)
         return gx.to(ctx.x_dtype), None, None, None, None, None

@@ -254,7 +254,12 @@ class _SDPA(torch.autograd.Function):
             # the keys of each (batch, head) (a key bias gets no gradient); the stored q, k, v and
             # the forward's logsumexp break that by the packing error: its projection taken out
             # (the rerun's dK keeps it already, up to rounding; issue 49)
-            gk = gk - gk.mean(dim=-2, keepdim=True)
+            if am is None:
+                gk = gk - gk.mean(dim=-2, keepdim=True)
+            else:  # (over the keys some query attends: a masked-out key's dK stays exact's 0)
+                live = (gk != 0).any(dim=-1, keepdim=True)
+                n = live.sum(dim=-2, keepdim=True).clamp_min(1)
+                gk = gk - live * (gk.sum(dim=-2, keepdim=True) / n)
             # (the token-layout tensors restored: the head views carry no buffer)
             for t in items[:4]:
                 if getattr(t, "_mesa_ws", None) is not None:
