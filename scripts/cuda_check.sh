@@ -52,7 +52,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 CUDA_TESTS=(tests/test_cuda_kernels.py tests/test_kernels.py tests/test_amp.py tests/test_attention.py
-            tests/test_layers.py tests/test_compile.py)
+            tests/test_layers.py tests/test_compile.py tests/test_zoos.py)
 MODELS=(deit_tiny_patch16_224 deit_small_patch16_224 swin_tiny_patch4_window7_224 pvt_tiny)
 if [ "$REHEARSE" = 1 ]; then
   STAGES="env deps build collect emulation roofline bench"

@@ -277,3 +277,22 @@ def test_bert_with_its_default_dropout_saves_as_a_vit():
     assert report.converted["Dropout"] > 0
     assert not any("dropout" in why for _, _, why in report.unsupported), report.summary()
     assert zoo.saved_bytes(mesa, x) / zoo.saved_bytes(ref, x) < 0.227
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
+def test_dropout_on_cuda_draws_as_the_fused_kernel(dtype):
+    """On CUDA nn.Dropout is aten's fused native_dropout: ms.layers.Dropout calls it, so the output
+    and the gradient are bit for bit nn.Dropout's under the same seed, the mask kept at 1 bit."""
+    drop = ms.layers.Dropout(0.1, enable=True).train()
+    x = torch.randn(4, 197, 384, device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(x.shape, device="cuda", dtype=dtype)
+    outs = []
+    for module in (nn.Dropout(0.1), drop):
+        torch.cuda.manual_seed(3)
+        with ms.SavedActivationMeter(module) as meter:
+            y = module(x)
+        outs.append((y, torch.autograd.grad(y, x, g)[0], meter.total_bytes))
+    (y0, g0, b0), (y1, g1, b1) = outs
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)
+    assert b0 >= x.numel() and b1 <= x.numel() / 8 + 64
