@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from .attention_forms import _MULS
+from .attention_forms import _MULS, MesaAttentionMixin
 from .layers import MESA_LAYERS, LayerScaleBase
 
 __all__ = ["ProductScale", "convert_products"]
@@ -101,8 +101,6 @@ def convert_products(model: nn.Module, groups_of) -> None:
     """Swap the class of every module of ``model`` that multiplies by its own per-channel
     parameter (see the module docstring) and give it ``mesa_products``; ``groups_of(name)``:
     the group count asked for the module (the largest divisor of its channels not above it)."""
-    from .attention_forms import MesaAttentionMixin
-
     for name, m in list(model.named_modules()):
         if (isinstance(m, MESA_LAYERS + (MesaAttentionMixin, MesaProductsMixin))
                 or type(m).__module__.startswith("torch.nn")):

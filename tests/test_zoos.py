@@ -251,19 +251,24 @@ def test_dropout_keeps_a_one_bit_mask(dtype, p):
     """ms.layers.Dropout (compress converts nn.Dropout to it): the same draws as nn.Dropout, so
     the output and the gradient are bit for bit nn.Dropout's (also on a transposed input), and
     backward keeps 1 bit per element instead of the scaled noise (the CPU: x's dtype)."""
-    drop = ms.layers.Dropout(p, enable=True).train()
     for x in (torch.randn(4, 64, 32, dtype=dtype), torch.randn(32, 64, 4, dtype=dtype).transpose(0, 2)):
-        x.requires_grad_()
-        g = torch.randn(x.shape, dtype=dtype)
-        outs = []
-        for module in (nn.Dropout(p), drop):
-            torch.manual_seed(3)
-            with ms.SavedActivationMeter(module) as meter:
-                y = module(x)
-            outs.append((y, torch.autograd.grad(y, x, g)[0], meter.total_bytes))
-        (y0, g0, b0), (y1, g1, b1) = outs
-        assert torch.equal(y0, y1) and torch.equal(g0, g1)
-        assert b0 >= x.numel() and b1 <= x.numel() / 8 + 64
+        _assert_dropout_as_torch(p, x.requires_grad_())
+
+
+def _assert_dropout_as_torch(p: float, x: torch.Tensor) -> None:
+    """ms.layers.Dropout(p) and nn.Dropout(p) under the same seed (every device's generator): the
+    same output and input gradient bit for bit; Mesa's saved bytes those of a 1-bit mask."""
+    drop = ms.layers.Dropout(p, enable=True).train()
+    g = torch.randn(x.shape, dtype=x.dtype, device=x.device)
+    outs = []
+    for module in (nn.Dropout(p), drop):
+        torch.manual_seed(3)
+        with ms.SavedActivationMeter(module) as meter:
+            y = module(x)
+        outs.append((y, torch.autograd.grad(y, x, g)[0], meter.total_bytes))
+    (y0, g0, b0), (y1, g1, b1) = outs
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)
+    assert b0 >= x.numel() and b1 <= x.numel() / 8 + 64
 
 
 def test_bert_with_its_default_dropout_saves_as_a_vit():
@@ -284,15 +289,4 @@ def test_bert_with_its_default_dropout_saves_as_a_vit():
 def test_dropout_on_cuda_draws_as_the_fused_kernel(dtype):
     """On CUDA nn.Dropout is aten's fused native_dropout: ms.layers.Dropout calls it, so the output
     and the gradient are bit for bit nn.Dropout's under the same seed, the mask kept at 1 bit."""
-    drop = ms.layers.Dropout(0.1, enable=True).train()
-    x = torch.randn(4, 197, 384, device="cuda", dtype=dtype, requires_grad=True)
-    g = torch.randn(x.shape, device="cuda", dtype=dtype)
-    outs = []
-    for module in (nn.Dropout(0.1), drop):
-        torch.cuda.manual_seed(3)
-        with ms.SavedActivationMeter(module) as meter:
-            y = module(x)
-        outs.append((y, torch.autograd.grad(y, x, g)[0], meter.total_bytes))
-    (y0, g0, b0), (y1, g1, b1) = outs
-    assert torch.equal(y0, y1) and torch.equal(g0, g1)
-    assert b0 >= x.numel() and b1 <= x.numel() / 8 + 64
+    _assert_dropout_as_torch(0.1, torch.randn(4, 197, 384, device="cuda", dtype=dtype, requires_grad=True))

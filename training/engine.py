@@ -70,6 +70,16 @@ def _loss(criterion, outputs, targets):
     return criterion(outputs, targets)
 
 
+@contextlib.contextmanager
+def _nonfinite_at(epoch: int, step: int):
+    """Mesa's non-finite check (a FloatingPointError naming the layer, in forward or backward) as
+    a :class:`TrainingError` with the epoch and step, as exact's loss check says them."""
+    try:
+        yield
+    except FloatingPointError as exc:
+        raise TrainingError(f"non-finite values at epoch {epoch}, step {step}: {exc}; stopping") from exc
+
+
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int, loss_scaler,
                     amp: str = "none", max_norm=None, model_ema=None, mixup_fn=None, print_freq: int = 10,
                     use_tqdm: bool = False,
@@ -105,12 +115,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
         t0 = time.perf_counter()
         meter = (ms.SavedActivationMeter(meter_model or model, module_hooks=not compiled) if i == measure_at
                  else contextlib.nullcontext())
-        try:
-            with meter, autocast(amp, device):
-                outputs = model(samples)
-                loss = _loss(criterion, outputs, targets)
-        except FloatingPointError as exc:  # (Mesa's non-finite check: named as exact's loss check is)
-            raise TrainingError(f"non-finite values at epoch {epoch}, step {i}: {exc}; stopping") from exc
+        with _nonfinite_at(epoch, i), meter, autocast(amp, device):
+            outputs = model(samples)
+            loss = _loss(criterion, outputs, targets)
         if i == measure_at:
             saved = meter.total_bytes / MiB
             if on_first_step is not None:
@@ -120,11 +127,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch: int
             raise TrainingError(f"loss is {loss_value} at epoch {epoch}, step {i}; stopping")
         optimizer.zero_grad(set_to_none=True)
         second_order = getattr(optimizer, "is_second_order", False)
-        try:
+        with _nonfinite_at(epoch, i):
             loss_scaler(loss, optimizer, clip_grad=max_norm, parameters=model.parameters(),
                         create_graph=second_order)
-        except FloatingPointError as exc:
-            raise TrainingError(f"non-finite values at epoch {epoch}, step {i}: {exc}; stopping") from exc
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if compile_step and i == 0:

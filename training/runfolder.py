@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import socket
 import warnings
 
@@ -65,8 +66,6 @@ def remove_temporaries(output_dir: str) -> list[str]:
     for p in sorted(glob.glob(os.path.join(output_dir, ".tmp_*"))):
         try:
             if os.path.isdir(p):
-                import shutil
-
                 shutil.rmtree(p)
             else:
                 os.unlink(p)
